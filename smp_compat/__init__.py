@@ -1,0 +1,103 @@
+"""smp_compat: SageMaker model parallelism v1 (``smdistributed.modelparallel.torch``) on plain PyTorch.
+
+Use it as ``import smp_compat as smp``, or run an unmodified SMP script through ``smp-compat run``.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from smp_compat.comm import (
+    DP_GROUP,
+    MP_GROUP,
+    PP_GROUP,
+    RDP_GROUP,
+    TP_GROUP,
+    WORLD,
+    CommGroup,
+    RankType,
+    allgather,
+    barrier,
+    broadcast,
+    dp_barrier,
+    gather,
+    mp_barrier,
+    pp_barrier,
+    rdp_barrier,
+    recv_from,
+    send,
+    tp_barrier,
+)
+from smp_compat.errors import (
+    DDPNotEnabledError,
+    FwdExecutionNotInStepFnError,
+    MultipleDistributedModelError,
+    SMPConfigError,
+    SMPError,
+    SMPUnsupportedError,
+    TensorSplitError,
+)
+from smp_compat.model import DistributedModel
+from smp_compat.optimizer import DistributedOptimizer
+from smp_compat.ranks import (
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_process_group,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    num_microbatches,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    size,
+    tp_rank,
+    tp_size,
+)
+from smp_compat.serialization import load, save
+from smp_compat.state import init, is_initialized, reset, shutdown, state
+from smp_compat.step import is_tracing, step
+from smp_compat.step_output import StepOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "is_initialized", "reset", "shutdown", "state", "is_tracing", "num_microbatches",
+    "step", "StepOutput", "DistributedModel", "DistributedOptimizer",
+    "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "tp_rank", "tp_size",
+    "dp_rank", "dp_size", "rdp_rank", "rdp_size", "mp_rank", "mp_size",
+    "get_pp_group", "get_dp_group", "get_mp_group", "get_tp_group", "get_rdp_group",
+    "get_world_process_group", "get_pp_process_group", "get_dp_process_group",
+    "get_mp_process_group", "get_tp_process_group", "get_rdp_process_group",
+    "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",
+    "broadcast", "send", "recv_from", "allgather", "gather", "barrier",
+    "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
+    "save", "load",
+    "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
+    "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
+]  # fmt: skip
+
+
+def _auto_init() -> None:
+    """SMP initialized itself on import inside SageMaker (config and MPI variables both set)."""
+    env = _os.environ
+    if env.get("SMP_MANUAL_INIT") == "1":
+        return
+    if "SM_HP_MP_PARAMETERS" in env and "OMPI_COMM_WORLD_RANK" in env:
+        init()
+
+
+_auto_init()

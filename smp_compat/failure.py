@@ -1,0 +1,100 @@
+"""Job-wide failure propagation: one rank's error stops every rank within seconds, never a hang.
+
+A failing rank writes its error into the process group's key-value store; every rank runs a small
+watch thread that polls the store and, when another rank has failed, prints one line naming that
+rank and its error and ends the process. Collective timeouts alone would take many minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from types import TracebackType
+from typing import Any
+
+from smp_compat._compat import default_store
+
+__all__ = ["start_watch", "stop_watch", "publish", "publish_exception", "POLL_SECONDS"]
+
+_FAILURE_KEY = "smp_compat/failure"
+POLL_SECONDS = 0.25
+_EXIT_CODE = 17
+
+
+class _Watch:
+    def __init__(self) -> None:
+        self.rank = 0
+        self.store: Any = None
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.published = False
+        self.previous_hook: Any = None
+
+
+_watch = _Watch()
+
+
+def start_watch(rank: int) -> None:
+    """Start polling for other ranks' failures and publish this rank's uncaught exceptions."""
+    store = default_store()
+    if store is None or _watch.thread is not None:
+        return
+    _watch.rank, _watch.store, _watch.published = rank, store, False
+    _watch.stop.clear()
+    _watch.thread = threading.Thread(target=_poll, name="smp-failure-watch", daemon=True)
+    _watch.thread.start()
+    _watch.previous_hook = sys.excepthook
+    sys.excepthook = _excepthook
+
+
+def stop_watch() -> None:
+    """Stop the watch thread (at shutdown or reset)."""
+    thread = _watch.thread
+    if thread is None:
+        return
+    _watch.stop.set()
+    thread.join(timeout=2 * POLL_SECONDS + 1)
+    _watch.thread = None
+    _watch.store = None
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _watch.previous_hook or sys.__excepthook__
+
+
+def publish(message: str) -> None:
+    """Tell every rank that this rank failed with ``message`` (first failure wins; best effort)."""
+    store = _watch.store
+    if store is None or _watch.published:
+        return
+    _watch.published = True
+    try:
+        store.compare_set(_FAILURE_KEY, "", f"rank {_watch.rank}: {message}")
+    except Exception:  # noqa: BLE001 - the store may be gone already; nothing else to do
+        pass
+
+
+def publish_exception(exc: BaseException) -> None:
+    """Publish an exception's one-line summary (type and message)."""
+    publish("".join(traceback.format_exception_only(type(exc), exc)).strip())
+
+
+def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    publish_exception(exc)
+    (_watch.previous_hook or sys.__excepthook__)(kind, exc, tb)
+
+
+def _poll() -> None:
+    store = _watch.store
+    while not _watch.stop.wait(POLL_SECONDS):
+        try:
+            if not store.check([_FAILURE_KEY]):
+                continue
+            message = store.get(_FAILURE_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - store gone (rank 0 exited): stop watching quietly
+            return
+        if not message or message.startswith(f"rank {_watch.rank}:"):
+            continue
+        sys.stderr.write(f"smp_compat: stopping rank {_watch.rank} because {message}\n")
+        sys.stderr.flush()
+        os._exit(_EXIT_CODE)

@@ -1,0 +1,316 @@
+"""``smp.DistributedModel``: the one wrapped model of the process.
+
+At pp = 1 it runs the module locally and averages gradients over the data-parallel group when a
+step call returns. At pp > 1 it hands partitioning and execution to the pipeline engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from smp_compat import grads
+from smp_compat.errors import (
+    FwdExecutionNotInStepFnError,
+    MultipleDistributedModelError,
+    SMPConfigError,
+    SMPUnsupportedError,
+    StepUsageError,
+)
+from smp_compat.state import process_group, state
+from smp_compat.step import active_call, in_step, is_tracing
+
+__all__ = ["DistributedModel"]
+
+Hook = Callable[[Any, Any], None]
+_PARTIAL_MARKERS = ("_smp_is_partial", "_smp_load_info")
+
+
+class DistributedModel(nn.Module):
+    """SMP's model wrapper; ``model.module`` / ``get_module()`` is the user's module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "gpu",
+        trace_execution_times: bool = False,
+        trace_memory_usage: bool = False,
+        overlapping_allreduce: bool = True,
+        backward_passes_per_step: int = 1,
+        average_grads_across_microbatches: bool = True,
+        bucket_cap_mb: float = 100,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = True,
+    ) -> None:
+        state.require_init("smp.DistributedModel")
+        if state.model is not None:
+            raise MultipleDistributedModelError(
+                "A DistributedModel already exists in this process; SMP allows one. Wrap your whole model "
+                "once (put several networks under one nn.Module if you need more than one)."
+            )
+        _check_model_args(module, trace_device, backward_passes_per_step, bucket_cap_mb)
+        super().__init__()
+        self.module = module
+        self.trace_device = trace_device
+        self.trace_execution_times = trace_execution_times and trace_device != "cpu"
+        self.trace_memory_usage = trace_memory_usage
+        self.overlapping_allreduce = overlapping_allreduce
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.bucket_cap_mb = bucket_cap_mb
+        self.broadcast_buffers = broadcast_buffers
+        self._partitioned = False
+        self._post_partition_hooks: OrderedDict[int, Hook] = OrderedDict()
+        self._post_step_hooks: OrderedDict[int, Hook] = OrderedDict()
+        self._steps_with_backward = 0
+        self._step_calls = 0
+        self._backward_ran = False
+        self._pending_state_dict: tuple[dict[str, Any], bool] | None = None
+        self.pipeline_engine: Any = None
+        state.model = self
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if state.cfg.pipeline_parallel_degree > 1 and not in_step():
+            raise FwdExecutionNotInStepFnError(
+                "The DistributedModel was called outside an @smp.step function. With "
+                f"pipeline_parallel_degree={state.cfg.pipeline_parallel_degree} every forward pass must run "
+                "inside a function decorated with @smp.step (put evaluation in its own step function and "
+                "call it under torch.no_grad())."
+            )
+        return self.module(*args, **kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None, **unsupported: Any) -> None:
+        """Replaces ``loss.backward()`` inside a step; scales by 1/microbatches when averaging."""
+        if unsupported:
+            raise SMPUnsupportedError(
+                f"model.backward() does not support {sorted(unsupported)} (SMP did not either: "
+                "retain_graph and create_graph are unsupported)."
+            )
+        if not in_step():
+            raise StepUsageError(
+                "model.backward() was called outside an @smp.step function. Call it inside the step "
+                "function, in place of loss.backward()."
+            )
+        if is_tracing():
+            return
+        tensors, grad_tensors = self._scaled_seeds(tensors, grad_tensors)
+        self._backward_ran = True
+        if self.pipeline_engine is not None:
+            self.pipeline_engine.backward(tensors, grad_tensors)
+        else:
+            torch.autograd.backward(tensors, grad_tensors)
+
+    def _scaled_seeds(self, tensors: Any, grad_tensors: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            grad_tensors = [torch.ones_like(t) for t in tensors]
+        elif isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = [grad_tensors]
+        grad_tensors = list(grad_tensors)
+        call = active_call()
+        if self.average_grads_across_microbatches and call is not None and call.num_microbatches > 1:
+            grad_tensors = [g / call.num_microbatches for g in grad_tensors]
+        return tensors, grad_tensors
+
+    # ------------------------------------------------------------------ step life cycle
+    def runs_step_body(self) -> bool:
+        """Only pp_rank 0 runs the step body; the other stages serve module calls."""
+        return state.topology.coords(state.rank).pp_rank == 0
+
+    def _prepare_for_step(self, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> None:
+        if not self._partitioned:
+            self._partition(step_fn, microbatches)
+
+    def _partition(self, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> None:
+        """pp = 1: place the module, make replicas identical; pp > 1: let the engine partition."""
+        if state.cfg.pipeline_parallel_degree > 1:
+            from smp_compat.runtime.engine import PipelineEngine
+
+            self.pipeline_engine = PipelineEngine.create(self, step_fn, microbatches)
+        else:
+            self.module.to(state.device)
+        self._partitioned = True
+        self._sync_replicas()
+        self._apply_pending_state_dict()
+        for hook in list(self._post_partition_hooks.values()):
+            hook(self, state.optimizer)
+
+    def _sync_replicas(self) -> None:
+        """Broadcast local parameters and buffers from dp rank 0, as SMP did at the first step."""
+        topo = state.topology
+        if topo.dp_size == 1:
+            return
+        src = topo.get_dp_group(state.rank)[0]
+        tensors = [p.data for p in self.local_parameters()]
+        if self.broadcast_buffers:
+            tensors += [b for b in self.local_buffers()]
+        grads.broadcast_tensors(tensors, src, process_group("dp"), topo.dp_size)
+
+    def _finish_step(self) -> None:
+        """Gradient sync (every ``backward_passes_per_step`` steps with backward) and first-step hooks."""
+        self._step_calls += 1
+        if self._backward_ran:
+            self._backward_ran = False
+            self._steps_with_backward += 1
+            if self._steps_with_backward % self.backward_passes_per_step == 0:
+                self._average_gradients()
+        if self._step_calls == 1:
+            for hook in list(self._post_step_hooks.values()):
+                hook(self, state.optimizer)
+
+    def _average_gradients(self) -> None:
+        params = [p for p in self.local_parameters() if p.requires_grad]
+        grads.average_gradients(params, process_group("dp"), state.topology.dp_size, self.bucket_cap_mb)
+
+    # ------------------------------------------------------------------ hooks
+    def register_post_partition_hook(self, hook: Hook) -> RemovableHandle:
+        """``hook(model, optimizer)`` runs once, after partitioning, before the first forward."""
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def register_post_step_hook(self, hook: Hook) -> RemovableHandle:
+        """``hook(model, optimizer)`` runs once, at the end of the first step call."""
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def partitioned(self) -> bool:
+        return self._partitioned
+
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    def _require_partitioned(self, what: str) -> None:
+        if not self._partitioned:
+            raise StepUsageError(
+                f"model.{what}() is only defined after partitioning, which happens in the first @smp.step "
+                "call. Call it after the first step, or in a post-partition hook."
+            )
+
+    def _owns(self, module: nn.Module) -> bool:
+        return self.pipeline_engine is None or self.pipeline_engine.is_local_module(module)
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        return (m for _, m in self.local_named_modules())
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        self._require_partitioned("local_named_modules")
+        return ((n, m) for n, m in self.module.named_modules() if self._owns(m))
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        self._require_partitioned("local_named_parameters")
+        if self.pipeline_engine is not None:
+            return iter(self.pipeline_engine.local_named_parameters())
+        return self.module.named_parameters()
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.local_named_parameters())
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._require_partitioned("local_named_buffers")
+        if self.pipeline_engine is not None:
+            return iter(self.pipeline_engine.local_named_buffers())
+        return self.module.named_buffers()
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        return (b for _, b in self.local_named_buffers())
+
+    def is_local_parameter(self, param: nn.Parameter | str) -> bool:
+        names = dict(self.local_named_parameters())
+        return param in names if isinstance(param, str) else any(p is param for p in names.values())
+
+    def is_local_buffer(self, buf: torch.Tensor | str) -> bool:
+        names = dict(self.local_named_buffers())
+        return buf in names if isinstance(buf, str) else any(b is buf for b in names.values())
+
+    def get_param_name(self, param: nn.Parameter) -> str:
+        for name, p in self.module.named_parameters():
+            if p is param:
+                return name
+        raise KeyError("this parameter does not belong to the DistributedModel")
+
+    # Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.
+    def distributed_modules(self) -> list[nn.Module]:
+        return []
+
+    def is_distributed_parameter(self, param: nn.Parameter) -> bool:
+        return False
+
+    def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
+        return False
+
+    def is_scaled_batch_parameter(self, param: nn.Parameter) -> bool:
+        return False
+
+    def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
+        return False
+
+    def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.local_named_parameters()
+
+    def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(())
+
+    def cpu(self) -> DistributedModel:
+        raise SMPUnsupportedError("DistributedModel.cpu() (gathering a partitioned model onto the CPU)")
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise SMPUnsupportedError("DistributedModel.join() (DDP uneven-input join)")
+
+    def register_comm_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise SMPUnsupportedError("DistributedModel.register_comm_hook() (DDP communication hooks)")
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The full model state under the user module's own parameter names."""
+        if self.pipeline_engine is not None:
+            raise SMPUnsupportedError("the full state_dict() of a pipeline-partitioned model (issue #4)")
+        kwargs.pop("gather_to_rank0", None)
+        cast_to_cpu = kwargs.pop("cast_to_cpu", True)
+        sd = self.module.state_dict(*args, **kwargs)
+        return OrderedDict((k, v.cpu() if cast_to_cpu else v) for k, v in sd.items())
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's part of the state, marked partial (SMP's ``_smp_is_partial``)."""
+        if self.pipeline_engine is not None:
+            raise SMPUnsupportedError("local_state_dict() of a pipeline-partitioned model (issue #4)")
+        sd = OrderedDict(self.module.state_dict(*args, **kwargs))
+        sd["_smp_is_partial"] = True
+        return sd
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, same_partition_load: bool = True, **_: Any
+    ) -> Any:
+        """Load now if partitioned, else after partitioning (SMP defers it to the first step)."""
+        clean = OrderedDict((k, v) for k, v in state_dict.items() if k not in _PARTIAL_MARKERS)
+        if not self._partitioned:
+            self._pending_state_dict = (clean, strict)
+            return None
+        return self.module.load_state_dict(clean, strict=strict)
+
+    def _apply_pending_state_dict(self) -> None:
+        if self._pending_state_dict is not None:
+            sd, strict = self._pending_state_dict
+            self._pending_state_dict = None
+            self.load_state_dict(sd, strict=strict)
+
+
+def _check_model_args(module: Any, trace_device: str, backward_passes: Any, bucket_cap_mb: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise SMPConfigError(f"smp.DistributedModel expects an nn.Module, got {type(module).__name__}.")
+    if trace_device not in ("gpu", "cpu"):
+        raise SMPConfigError(f'trace_device must be "gpu" or "cpu", got {trace_device!r}.')
+    if not isinstance(backward_passes, int) or isinstance(backward_passes, bool) or backward_passes < 1:
+        raise SMPConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes!r}.")
+    if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        raise SMPConfigError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")

@@ -1,0 +1,131 @@
+"""``smp.save`` / ``smp.load``: SMP's partial (one file per rank) and full files, written atomically.
+
+Loading is safe by default (``torch.load(weights_only=True)``); arbitrary pickled objects load only
+when the caller passes ``weights_only=False`` for files it trusts.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smp_compat.errors import CheckpointError
+from smp_compat.state import state
+
+__all__ = ["save", "load", "atomic_save", "safe_load", "partial_path"]
+
+
+def partial_path(f: str | os.PathLike[str], v3: bool = False, back_compat: bool = False) -> str:
+    """This rank's part-file name: ``{f}_{pp}_{tp}.pt`` (SMP >= 1.10), ``{f}_{pp}_{tp}_{rdp}.pt`` with v3."""
+    c = state.topology.coords(state.rank)
+    if back_compat:
+        return f"{f}_{c.pp_rank}_{c.tp_rank}" if state.topology.tp_size > 1 else f"{f}_{c.mp_rank}"
+    suffix = f"_{c.rdp_rank}" if v3 else ""
+    return f"{f}_{c.pp_rank}_{c.tp_rank}{suffix}.pt"
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str], **save_kwargs: Any) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename: never a half-written file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle, **save_kwargs)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def safe_load(path: str | os.PathLike[str], map_location: Any = None, weights_only: bool = True, **kw: Any) -> Any:
+    """``torch.load`` that explains how to opt in when a file holds more than tensors and containers."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, **kw)
+    except pickle.UnpicklingError as exc:
+        if not weights_only:
+            raise
+        raise CheckpointError(
+            f"{path} holds Python objects that safe loading refuses ({exc}). If you trust this file, "
+            "load it with weights_only=False."
+        ) from exc
+
+
+def save(
+    obj: Any,
+    f: str | os.PathLike[str],
+    partial: bool = True,
+    pickle_module: Any = pickle,
+    pickle_protocol: int = 2,
+    v3: bool = False,
+) -> None:
+    """``partial=True``: every caller writes its own part file; ``partial=False``: global rank 0 writes ``f``."""
+    state.require_init("smp.save")
+    kwargs = {"pickle_module": pickle_module, "pickle_protocol": pickle_protocol}
+    if partial:
+        atomic_save(obj, partial_path(f, v3=v3), **kwargs)
+    elif state.rank == 0:
+        atomic_save(obj, f, **kwargs)
+
+
+def load(
+    f: str | os.PathLike[str],
+    map_location: Any = None,
+    pickle_module: Any = None,
+    partial: bool = True,
+    back_compat: bool = False,
+    weights_only: bool = True,
+    **pickle_load_args: Any,
+) -> Any:
+    """Load a file written by ``smp.save`` (ours or SMP's); partial loads check the part set first."""
+    state.require_init("smp.load")
+    if pickle_module is not None:
+        pickle_load_args["pickle_module"] = pickle_module
+    if not partial:
+        return safe_load(f, map_location, weights_only, **pickle_load_args)
+    _check_parts(f, back_compat)
+    return safe_load(partial_path(f, back_compat=back_compat), map_location, weights_only, **pickle_load_args)
+
+
+def _check_parts(f: str | os.PathLike[str], back_compat: bool) -> None:
+    """The part files on disk must be exactly one per (pp, tp) of the current layout."""
+    base = Path(f)
+    topo = state.topology
+    if back_compat and topo.tp_size == 1:
+        pattern = re.compile(re.escape(base.name) + r"_(\d+)$")
+        expected = {(i,) for i in range(topo.pp_size)}
+    else:
+        tail = r"(?:_\d+)?\.pt$" if not back_compat else r"$"
+        pattern = re.compile(re.escape(base.name) + r"_(\d+)_(\d+)" + tail)
+        expected = {(p, t) for p in range(topo.pp_size) for t in range(topo.tp_size)}
+    directory = base.parent if str(base.parent) else Path(".")
+    found = {tuple(int(g) for g in m.groups()) for p in directory.iterdir() if (m := pattern.match(p.name))}
+    if found != expected:
+        raise CheckpointError(
+            f"smp.load({str(f)!r}, partial=True) found parts {sorted(found) or 'none'} but this job's "
+            f"layout (pipeline_parallel_degree={topo.pp_size}, tensor_parallel_degree={topo.tp_size}) "
+            f"needs {sorted(expected)}. Load with the degrees the file was saved with, or merge it with "
+            "`smp-compat checkpoint merge` first."
+        )

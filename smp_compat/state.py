@@ -1,0 +1,207 @@
+"""The single process-wide state behind the module-level smp API, and ``smp.init``.
+
+SMP's API is module-level (``smp.rank()``, ``smp.state.cfg``), so some global state is
+unavoidable; it lives here, in one object, with one reset hook for tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from smp_compat import failure
+from smp_compat.config import SMPConfig, resolve_config
+from smp_compat.errors import SMPConfigError, SMPNotInitializedError
+from smp_compat.launch import LaunchEnv, detect_launch
+from smp_compat.topology import Topology
+
+if TYPE_CHECKING:
+    from smp_compat.model import DistributedModel
+
+__all__ = ["state", "init", "is_initialized", "reset", "shutdown", "AXES_WITH_GROUPS"]
+
+log = logging.getLogger("smp_compat")
+
+AXES_WITH_GROUPS = ("pp", "tp", "rdp", "dp", "mp")
+_PG_TIMEOUT_ENV = "SMP_PG_TIMEOUT_S"
+_DEFAULT_PG_TIMEOUT_S = 600.0
+
+
+@dataclass
+class _State:
+    """Everything ``smp.init`` resolves, plus the one model and optimizer of the process."""
+
+    cfg: SMPConfig | None = None
+    launch: LaunchEnv | None = None
+    topology: Topology | None = None
+    backend: str = "gloo"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    groups: dict[str, Any] = field(default_factory=dict)
+    owns_process_group: bool = False
+    model: DistributedModel | None = None
+    optimizer: Any = None
+    initialized: bool = False
+
+    def require_init(self, what: str) -> None:
+        """Raise the error a user sees when calling ``what`` before ``smp.init()``."""
+        if not self.initialized:
+            raise SMPNotInitializedError(
+                f"{what} needs smp.init() to have been called first. Call smp.init(config) at the top of "
+                "your script, before creating the DistributedModel."
+            )
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank if self.launch else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size if self.launch else 1
+
+
+state = _State()
+
+
+def is_initialized() -> bool:
+    """True once ``smp.init`` has run."""
+    return state.initialized
+
+
+def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> None:
+    """Read the config, find the launcher, set up process groups and the device (SMP's ``smp.init``)."""
+    if state.initialized:
+        warnings.warn("smp.init() was already called; this call is ignored.", stacklevel=2)
+        return
+    cfg = resolve_config(config)
+    launch = _launch_env(cfg)
+    cfg.check_world_size(launch.world_size)
+    topology = Topology.build(
+        launch.world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_strategy
+    )
+    backend = _choose_backend(cfg)
+    state.cfg, state.launch, state.topology, state.backend = cfg, launch, topology, backend
+    state.device = _choose_device(backend, launch.local_rank)
+    _export_rank_variables(launch)
+    if launch.world_size > 1 or cfg.ddp:
+        _init_process_groups(launch, topology, backend)
+    state.initialized = True
+    _warn_not_acted_on(cfg)
+    if launch.rank == 0:
+        log.info("smp_compat initialized: %s", cfg.to_dict())
+
+
+def _launch_env(cfg: SMPConfig) -> LaunchEnv:
+    """The launch environment, trusting an already-initialized process group (tests, user code) first."""
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return LaunchEnv("existing", rank, world, local_rank, local_size, "", 0)
+    return detect_launch(ddp_port=cfg.ddp_port)
+
+
+def _choose_backend(cfg: SMPConfig) -> str:
+    """NCCL when CUDA is usable and selected, gloo otherwise (``ddp_dist_backend``)."""
+    if cfg.ddp_dist_backend == "nccl":
+        if not torch.cuda.is_available():
+            raise SMPConfigError(
+                'ddp_dist_backend is "nccl" but CUDA is not available on this machine. Use "gloo" or "auto".'
+            )
+        return "nccl"
+    if cfg.ddp_dist_backend == "gloo":
+        return "gloo"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _choose_device(backend: str, local_rank: int) -> torch.device:
+    """One GPU per local rank with NCCL (as SMP set it); CPU otherwise, or when GPUs are shared over gloo."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _export_rank_variables(launch: LaunchEnv) -> None:
+    """SMP sets these for the script; some scripts read them."""
+    os.environ["RANK"] = str(launch.rank)
+    os.environ["WORLD_SIZE"] = str(launch.world_size)
+    os.environ["LOCAL_RANK"] = str(launch.local_rank)
+
+
+def _pg_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(_PG_TIMEOUT_ENV, _DEFAULT_PG_TIMEOUT_S)))
+
+
+def _init_process_groups(launch: LaunchEnv, topology: Topology, backend: str) -> None:
+    """Create the default group (unless one exists) and one group per axis, the same order on every rank."""
+    if not dist.is_initialized() and launch.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        state.owns_process_group = True
+    elif not dist.is_initialized():
+        store = dist.TCPStore(
+            launch.master_addr,
+            launch.master_port,
+            launch.world_size,
+            is_master=launch.rank == 0,
+            timeout=_pg_timeout(),
+        )
+        dist.init_process_group(
+            backend, store=store, rank=launch.rank, world_size=launch.world_size, timeout=_pg_timeout()
+        )
+        state.owns_process_group = True
+    state.groups = {"world": dist.group.WORLD}
+    for axis in AXES_WITH_GROUPS:
+        state.groups[axis] = _create_axis_groups(topology, axis, launch.rank)
+    failure.start_watch(launch.rank)
+
+
+def _create_axis_groups(topology: Topology, axis: str, rank: int) -> Any:
+    """Every rank creates every group of the axis (torch requires it); return this rank's."""
+    mine = None
+    for members in topology.all_groups(axis):
+        if len(members) == topology.world_size:
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(members, timeout=_pg_timeout())
+        if rank in members:
+            mine = group
+    return mine
+
+
+def _warn_not_acted_on(cfg: SMPConfig) -> None:
+    keys = cfg.not_acted_on()
+    if keys:
+        warnings.warn(
+            "smp_compat accepts these config keys but does not act on them yet: "
+            + ", ".join(keys)
+            + ". See docs/config.md.",
+            stacklevel=3,
+        )
+
+
+def process_group(axis: str) -> Any:
+    """This rank's torch.distributed group on ``axis`` (None in a world of one without ``ddp``)."""
+    state.require_init(f"the {axis} process group")
+    return state.groups.get(axis)
+
+
+def reset() -> None:
+    """Forget everything ``init`` set up (tests, and scripts that re-init)."""
+    failure.stop_watch()
+    if state.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    state.__init__()  # type: ignore[misc]
+
+
+def shutdown() -> None:
+    """Tear down process groups; SMP ran this at exit."""
+    reset()

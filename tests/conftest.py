@@ -1,0 +1,19 @@
+"""Test setup: tests import the shared models as `models`, and smp state is reset around each test."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _reset_smp_state():
+    from smp_compat.state import reset
+
+    reset()
+    yield
+    reset()
