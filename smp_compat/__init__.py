@@ -39,6 +39,7 @@ from smp_compat.errors import (
 )
 from smp_compat.model import DistributedModel
 from smp_compat.optimizer import DistributedOptimizer
+from smp_compat.partition import partition, set_partition
 from smp_compat.ranks import (
     dp_rank,
     dp_size,
@@ -76,7 +77,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "is_initialized", "reset", "shutdown", "state", "is_tracing", "num_microbatches",
-    "step", "StepOutput", "DistributedModel", "DistributedOptimizer",
+    "step", "StepOutput", "DistributedModel", "DistributedOptimizer", "partition", "set_partition",
     "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "tp_rank", "tp_size",
     "dp_rank", "dp_size", "rdp_rank", "rdp_size", "mp_rank", "mp_size",
     "get_pp_group", "get_dp_group", "get_mp_group", "get_tp_group", "get_rdp_group",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["object_to_tensor", "tensor_to_object", "all_gather_objects"]
+__all__ = ["object_to_tensor", "tensor_to_object", "all_gather_objects", "broadcast_object"]
 
 
 def object_to_tensor(obj: Any, device: torch.device | None = None) -> torch.Tensor:
@@ -36,3 +36,21 @@ def all_gather_objects(obj: Any, group: Any, group_size: int, device: torch.devi
     chunks = [torch.empty_like(padded) for _ in range(group_size)]
     dist.all_gather(chunks, padded, group=group)
     return [tensor_to_object(c, n) for c, n in zip(chunks, sizes)]
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None, device: torch.device | None = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (the world by default)."""
+    device = device or _default_device()
+    is_src = dist.get_rank() == src
+    payload = object_to_tensor(obj, device) if is_src else None
+    length = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    if not is_src:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src, group=group)
+    return obj if is_src else tensor_to_object(payload)
+
+
+def _default_device() -> torch.device:
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

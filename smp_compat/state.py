@@ -6,6 +6,7 @@ unavoidable; it lives here, in one object, with one reset hook for tests.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -93,6 +94,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     if launch.world_size > 1 or cfg.ddp:
         _init_process_groups(launch, topology, backend)
     state.initialized = True
+    atexit.register(shutdown)
     _warn_not_acted_on(cfg)
     if launch.rank == 0:
         log.info("smp_compat initialized: %s", cfg.to_dict())
@@ -196,7 +198,11 @@ def process_group(axis: str) -> Any:
 
 def reset() -> None:
     """Forget everything ``init`` set up (tests, and scripts that re-init)."""
+    engine = getattr(state.model, "pipeline_engine", None)
+    if engine is not None:
+        engine.close()
     failure.stop_watch()
+    atexit.unregister(shutdown)
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     state.__init__()  # type: ignore[misc]

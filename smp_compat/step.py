@@ -7,9 +7,10 @@ backward and the data-parallel gradient all-reduce are complete (SMP's contract)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,10 @@ from smp_compat.split import split_step_inputs, validate_split_options
 from smp_compat.state import state
 from smp_compat.step_output import merge_step_outputs
 
-__all__ = ["step", "StepFunction", "in_step", "current_microbatch", "is_tracing", "StepCall"]
+__all__ = [
+    "step", "StepFunction", "StepCall", "in_step", "current_microbatch", "set_current_microbatch",
+    "is_tracing", "tracing_call", "active_call",
+]  # fmt: skip
 
 _local = threading.local()
 
@@ -60,6 +64,17 @@ def is_tracing() -> bool:
     """True during the one-off tracing pass of the first step (rank 0 only)."""
     call = active_call()
     return bool(call and call.tracing)
+
+
+@contextlib.contextmanager
+def tracing_call(num_microbatches: int) -> Iterator[StepCall]:
+    """The one-off tracing pass of the first step: model.backward does nothing, is_tracing() is True."""
+    call = StepCall(num_microbatches=num_microbatches, grad_enabled=False, tracing=True)
+    _active.append(call)
+    try:
+        yield call
+    finally:
+        _active.pop()
 
 
 def _detach(value: Any) -> Any:

@@ -1,0 +1,23 @@
+"""Partitioning: where each module with state lives in the pipeline (manual contexts, tracing, auto plan)."""
+
+from __future__ import annotations
+
+from smp_compat.partition.auto import auto_plan
+from smp_compat.partition.manual import clear_records, manual_plan, partition, set_partition
+from smp_compat.partition.plan import PartitionPlan, shared_groups, shared_tensors, state_modules, validate_plan
+from smp_compat.partition.trace import TraceResult, trace_modules
+
+__all__ = [
+    "PartitionPlan",
+    "TraceResult",
+    "auto_plan",
+    "clear_records",
+    "manual_plan",
+    "partition",
+    "set_partition",
+    "shared_groups",
+    "shared_tensors",
+    "state_modules",
+    "trace_modules",
+    "validate_plan",
+]

@@ -1,0 +1,125 @@
+"""Tracing one forward pass: module execution order, output sizes, call counts and (optionally) times."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["TraceResult", "output_bytes", "trace_modules"]
+
+
+@dataclass
+class TraceResult:
+    """What the auto-partitioner learns from one traced forward pass (SMP traced microbatch 0).
+
+    Only modules that were called appear in ``output_bytes``, ``calls`` and ``exclusive_time``.
+    """
+
+    order: list[str] = field(default_factory=list)
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    exclusive_time: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+
+def output_bytes(output: Any) -> int:
+    """Bytes of the tensors in a module output (any pytree; dataclass fields are walked too).
+
+    A tensor that appears twice counts once; non-tensor leaves count 0.
+    """
+    seen: set[int] = set()
+    total = 0
+    pending = [output]
+    while pending:
+        leaves, _ = tree_flatten(pending.pop())
+        for leaf in leaves:
+            if id(leaf) in seen:
+                continue
+            seen.add(id(leaf))
+            if isinstance(leaf, torch.Tensor):
+                total += _tensor_bytes(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                pending.extend(getattr(leaf, f.name, None) for f in dataclasses.fields(leaf))
+    return total
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.numel() * tensor.element_size()
+    except (RuntimeError, NotImplementedError):  # exotic layouts: not worth failing the trace over
+        return 0
+
+
+class _Recorder:
+    """Hook state for one trace: a stack of open calls gives each module its time minus its children's."""
+
+    def __init__(self, measure_time: bool) -> None:
+        self.result = TraceResult()
+        self.measure_time = measure_time
+        self.sync = measure_time and torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.frames: list[list[Any]] = []  # [name, start, children's time]
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def pre(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            calls = self.result.calls
+            if name not in calls:
+                self.result.order.append(name)
+                calls[name] = 0
+            calls[name] += 1
+            if self.measure_time:
+                self.frames.append([name, self._now(), 0.0])
+
+        return hook
+
+    def post(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if name not in self.result.output_bytes:
+                self.result.output_bytes[name] = output_bytes(output)
+            if self.measure_time:
+                self._close(name)
+
+        return hook
+
+    def _close(self, name: str) -> None:
+        # Unwind to this module's frame; frames left open by a module whose post hook never ran are dropped.
+        while self.frames and self.frames[-1][0] != name:
+            self.frames.pop()
+        if not self.frames:
+            return
+        _, start, children = self.frames.pop()
+        elapsed = self._now() - start
+        times = self.result.exclusive_time
+        times[name] = times.get(name, 0.0) + max(0.0, elapsed - children)
+        if self.frames:
+            self.frames[-1][2] += elapsed
+
+
+def trace_modules(root: nn.Module, run: Callable[[], Any], measure_time: bool = False) -> TraceResult:
+    """Run ``run()`` once under ``torch.no_grad()`` with hooks on every module of ``root``.
+
+    Records the order of first calls, the output size of each module's first call, call counts, and
+    with ``measure_time`` each module's time excluding its children (summed over calls).
+    """
+    recorder = _Recorder(measure_time)
+    handles = []
+    try:
+        for name, module in root.named_modules():
+            handles.append(module.register_forward_pre_hook(recorder.pre(name)))
+            handles.append(module.register_forward_hook(recorder.post(name), always_call=True))
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorder.result

@@ -1,0 +1,53 @@
+"""Split a nested value into a picklable skeleton and its tensors, and put it back together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from smp_compat.step_output import MAPPING, SET, container_kind, rebuild_mapping, rebuild_sequence, rebuild_set
+
+__all__ = ["flatten_tensors", "fill_tensors", "Slot"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where the i-th tensor goes back in the skeleton."""
+
+    index: int
+
+
+def flatten_tensors(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The skeleton of ``value`` (containers kept, tensors replaced by ``Slot``s) and its tensors in order."""
+    tensors: list[torch.Tensor] = []
+    return _strip(value, tensors), tensors
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return Slot(len(tensors) - 1)
+    kind = container_kind(type(value))
+    if kind is None:
+        return value
+    if kind == MAPPING:
+        return rebuild_mapping(value, [(k, _strip(v, tensors)) for k, v in value.items()])
+    if kind == SET:
+        return rebuild_set(value, [_strip(v, tensors) for v in value])
+    return rebuild_sequence(value, kind, [_strip(v, tensors) for v in value])
+
+
+def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of ``flatten_tensors``."""
+    if isinstance(skeleton, Slot):
+        return tensors[skeleton.index]
+    kind = container_kind(type(skeleton))
+    if kind is None:
+        return skeleton
+    if kind == MAPPING:
+        return rebuild_mapping(skeleton, [(k, fill_tensors(v, tensors)) for k, v in skeleton.items()])
+    if kind == SET:
+        return rebuild_set(skeleton, [fill_tensors(v, tensors) for v in skeleton])
+    return rebuild_sequence(skeleton, kind, [fill_tensors(v, tensors) for v in skeleton])

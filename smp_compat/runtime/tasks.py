@@ -1,0 +1,195 @@
+"""Cooperative tasks: one thread per task, exactly one of them running at a time.
+
+A task runs until it must wait for another rank; then it picks the next task by priority and
+hands over the baton itself (no scheduler thread in between), or, if nothing can run, serves
+incoming messages until something can. Free-running threads sharing a lock measured about 0.7x
+of torch's Schedule1F1B here; explicit hand-over is what makes the eager design fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from smp_compat.errors import SMPTimeoutError
+
+__all__ = ["Task", "Scheduler", "Fatal"]
+
+log = logging.getLogger("smp_compat")
+
+_TIMEOUT_ENV = "SMP_PIPELINE_TIMEOUT_S"
+_DEFAULT_TIMEOUT_S = 300.0
+_IDLE_NOTICE_S = 300.0
+_POLL_S = 0.5
+
+
+class Fatal:
+    """A wake-up value that makes the woken task raise ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Task:
+    """A unit of work: a microbatch of the step body, or one served forward/backward request."""
+
+    _ids = itertools.count()
+
+    def __init__(self, name: str, fn: Callable[[], Any] | None, priority: tuple[int, ...]) -> None:
+        self.id = next(Task._ids)
+        self.name = name
+        self.fn = fn
+        self.priority = priority
+        self.go = threading.Event()
+        self.runnable = False
+        self.started = False
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.wakeup: Any = None
+        self.waiting_for = ""
+        self.expects_reply = False
+        self.on_done: Callable[[Task], None] | None = None
+
+    def __repr__(self) -> str:
+        return f"Task({self.name}, waiting for {self.waiting_for or 'nothing'})"
+
+
+class Scheduler:
+    """Runs tasks one at a time; ``handle`` turns each incoming message into wake-ups or new tasks."""
+
+    def __init__(self, handle: Callable[[Any], None], rank: int) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.handle = handle
+        self.rank = rank
+        self.tasks: list[Task] = []
+        self.root: Task | None = None
+        self.timeout = float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+
+    def adopt(self, name: str) -> Task:
+        """Make the calling thread (the one in the step call) the root task; it holds the baton."""
+        self.root = Task(name, None, (-1,))
+        self.tasks.append(self.root)
+        return self.root
+
+    def release_root(self) -> None:
+        if self.root is not None:
+            self.tasks.remove(self.root)
+            self.root = None
+
+    # ------------------------------------------------------------------ used by the baton holder
+    def spawn(self, task: Task) -> None:
+        """Add a new runnable task; its thread starts now but runs only when picked."""
+        task.runnable = True
+        self.tasks.append(task)
+        threading.Thread(target=self._thread_main, args=(task,), name=f"smp-{task.name}", daemon=True).start()
+
+    def wake(self, task: Task, value: Any = None) -> None:
+        """Make a waiting task runnable; it resumes with ``value`` returned from its ``block``."""
+        task.wakeup = value
+        task.waiting_for = ""
+        task.expects_reply = False
+        task.runnable = True
+
+    def block(self, me: Task, reason: str, expects_reply: bool = True) -> Any:
+        """Give up the baton until someone ``wake``s ``me``; returns the wake-up value."""
+        me.waiting_for = reason
+        me.expects_reply = expects_reply
+        me.runnable = False
+        return self._pass_baton(me)
+
+    # ------------------------------------------------------------------ internals
+    def _thread_main(self, task: Task) -> None:
+        task.go.wait()
+        task.go.clear()
+        try:
+            task.result = task.fn()  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this task
+            task.error = exc
+        task.done = True
+        self.tasks.remove(task)
+        try:
+            if task.on_done is not None:
+                task.on_done(task)
+        except BaseException as exc:  # noqa: BLE001 - the root task raises it
+            self.fail(exc)
+        self._pass_baton(task)
+
+    def fail(self, exc: BaseException) -> None:
+        """Wake the root task with ``exc``, which it raises in the thread that called the step."""
+        if self.root is None:
+            raise exc
+        self.wake(self.root, Fatal(exc))
+
+    def _pick(self) -> Task | None:
+        best = None
+        for task in self.tasks:
+            if task.runnable and (best is None or task.priority < best.priority):
+                best = task
+        return best
+
+    def _pass_baton(self, me: Task) -> Any:
+        idle_since = time.monotonic()
+        while True:
+            try:
+                self._drain()
+                nxt = self._pick()
+                if nxt is None:
+                    self._wait_for_message(idle_since)
+                    continue
+            except BaseException as exc:  # noqa: BLE001 - raised by the root, wherever it happened
+                if me is self.root:
+                    raise
+                self.fail(exc)
+                continue
+            nxt.runnable = False
+            if nxt is me:
+                return self._resume(me)
+            nxt.started = True
+            nxt.go.set()
+            if me.done:
+                return None
+            me.go.wait()
+            me.go.clear()
+            return self._resume(me)
+
+    @staticmethod
+    def _resume(me: Task) -> Any:
+        value, me.wakeup = me.wakeup, None
+        if isinstance(value, Fatal):
+            raise value.error
+        return value
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(message)
+
+    def _wait_for_message(self, idle_since: float) -> None:
+        try:
+            message = self.inbox.get(timeout=_POLL_S)
+        except queue.Empty:
+            self._check_idle(idle_since)
+            return
+        self.handle(message)
+
+    def _check_idle(self, idle_since: float) -> None:
+        idle = time.monotonic() - idle_since
+        waiting = [t for t in self.tasks if t.expects_reply]
+        if waiting and idle > self.timeout:
+            lines = "\n".join(f"  - {t.name}: waiting for {t.waiting_for}" for t in waiting)
+            raise SMPTimeoutError(
+                f"rank {self.rank} waited {idle:.0f} s with no message from the other pipeline ranks:\n{lines}\n"
+                f"Another rank may be stuck or dead. Raise {_TIMEOUT_ENV} if a step legitimately takes longer."
+            )
+        if not waiting and idle > _IDLE_NOTICE_S and int(idle) % int(_IDLE_NOTICE_S) < _POLL_S:
+            log.warning("rank %d idle for %.0f s waiting for pipeline work", self.rank, idle)

@@ -1,0 +1,91 @@
+"""Pipeline parallelism trains exactly like plain PyTorch on the global batch (CPU, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import causal_mask, lm_loss, make_batches, make_model, reference_training
+from smp_compat.testing import run_ranks
+
+STEPS, GLOBAL_BATCH = 3, 8
+
+
+def _place_manually(smp, model, pp: int) -> None:
+    """Non-contiguous placement: embedding and tied head on rank 0, later blocks and ln_f on the last ranks."""
+    blocks = model.module.blocks
+    per = len(blocks) // pp
+    for i, block in enumerate(blocks):
+        smp.set_partition(block, min(i // per, pp - 1))
+    smp.set_partition(model.module.ln_f, pp - 1)
+
+
+def _train_pipeline(config: dict, manual: bool) -> dict:
+    import smp_compat as smp
+
+    smp.init(config)
+    model = smp.DistributedModel(make_model())
+    if manual:
+        _place_manually(smp, model, smp.pp_size())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    mask = causal_mask(8)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x, attention_mask=mask), y)
+        model.backward(loss)
+        return loss
+
+    per_rank = GLOBAL_BATCH // smp.dp_size()
+    lo = smp.dp_rank() * per_rank
+    losses = []
+    for x, y in make_batches(STEPS, GLOBAL_BATCH):
+        opt.zero_grad()
+        out = train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank])
+        opt.step()
+        local = out.reduce_mean().item()
+        losses.append(sum(smp.allgather(local, smp.DP_GROUP)) / smp.dp_size())
+    params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return {"losses": losses, "params": params, "pp_rank": smp.pp_rank()}
+
+
+def _check(results: list[dict]) -> None:
+    ref_losses, ref_state = reference_training(STEPS, GLOBAL_BATCH)
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        merged.update(r["params"])
+    ref_params = {n: v for n, v in make_model().named_parameters()}  # names only
+    assert set(merged) == set(ref_params)
+    for name in ref_params:
+        torch.testing.assert_close(merged[name], ref_state[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _config(pp: int, mb: int, pipeline: str, auto: bool, **extra: object) -> dict:
+    cfg = {"pipeline_parallel_degree": pp, "microbatches": mb, "pipeline": pipeline, "auto_partition": auto}
+    if not auto:
+        cfg["default_partition"] = 0
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+@pytest.mark.parametrize("mb", [1, 2, 4])
+def test_pp2_manual_matches_single_process(mb: int, pipeline: str) -> None:
+    _check(run_ranks(_train_pipeline, 2, _config(2, mb, pipeline, auto=False), True, timeout=90))
+
+
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+def test_pp2_auto_matches_single_process(pipeline: str) -> None:
+    _check(run_ranks(_train_pipeline, 2, _config(2, 4, pipeline, auto=True), False, timeout=90))
+
+
+@pytest.mark.parametrize(("mb", "pipeline", "auto"), [(4, "interleaved", False), (2, "simple", True)])
+def test_pp3_matches_single_process(mb: int, pipeline: str, auto: bool) -> None:
+    _check(run_ranks(_train_pipeline, 3, _config(3, mb, pipeline, auto=auto), not auto, timeout=120))
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_pp2_dp2_matches_single_process(placement: str) -> None:
+    cfg = _config(2, 2, "interleaved", auto=False, ddp=True, placement_strategy=placement)
+    _check(run_ranks(_train_pipeline, 4, cfg, True, timeout=120))
