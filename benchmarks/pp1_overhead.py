@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="A also splits each batch into --microbatches and accumulates gradients by hand, so that B/A "
         "measures smp_compat's own cost rather than the cost of smaller matrix products",
     )
-    p.add_argument("--rounds", type=int, default=15, help="timed rounds of each of A and B (>= 5)")
-    p.add_argument("--steps", type=int, default=10, help="training steps per round (short rounds: less drift)")
+    p.add_argument("--rounds", type=int, default=40, help="timed rounds of each of A and B (>= 5)")
+    p.add_argument("--steps", type=int, default=4, help="training steps per round (short rounds: less drift)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps of each before the first round")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")

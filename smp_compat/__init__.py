@@ -39,7 +39,7 @@ from smp_compat.errors import (
 )
 from smp_compat.model import DistributedModel
 from smp_compat.optimizer import DistributedOptimizer
-from smp_compat.partition import partition, set_partition
+from smp_compat.partitioning import partition, set_partition
 from smp_compat.ranks import (
     dp_rank,
     dp_size,
@@ -69,8 +69,8 @@ from smp_compat.ranks import (
     tp_size,
 )
 from smp_compat.serialization import load, save
-from smp_compat.state import init, is_initialized, reset, shutdown, state
-from smp_compat.step import is_tracing, step
+from smp_compat.globalstate import init, is_initialized, reset, shutdown, state
+from smp_compat.stepping import is_tracing, step
 from smp_compat.step_output import StepOutput
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from smp_compat.errors import SMPConfigError
 from smp_compat.serialize import all_gather_objects, object_to_tensor, tensor_to_object
-from smp_compat.state import process_group, state
+from smp_compat.globalstate import process_group, state
 
 __all__ = [
     "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",

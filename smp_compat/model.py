@@ -22,8 +22,8 @@ from smp_compat.errors import (
     SMPUnsupportedError,
     StepUsageError,
 )
-from smp_compat.state import process_group, state
-from smp_compat.step import active_call, in_step, is_tracing
+from smp_compat.globalstate import process_group, state
+from smp_compat.stepping import active_call, in_step, is_tracing
 
 __all__ = ["DistributedModel"]
 

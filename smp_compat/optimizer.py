@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from smp_compat.errors import DistributedModelNotCreatedError, ParameterOwnershipError, SMPUnsupportedError
-from smp_compat.state import state
+from smp_compat.globalstate import state
 
 __all__ = ["DistributedOptimizer"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from smp_compat.errors import DDPNotEnabledError
-from smp_compat.state import process_group, state
+from smp_compat.globalstate import process_group, state
 from smp_compat.topology import Coords
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from smp_compat.errors import CheckpointError
-from smp_compat.state import state
+from smp_compat.globalstate import state
 
 __all__ = ["save", "load", "atomic_save", "safe_load", "partial_path"]
 

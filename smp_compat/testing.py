@@ -111,7 +111,7 @@ def _publish(exc: BaseException) -> None:
 def _teardown() -> None:
     import torch.distributed as dist
 
-    from smp_compat.state import reset
+    from smp_compat.globalstate import reset
 
     try:
         reset()

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture(autouse=True)
 def _reset_smp_state():
-    from smp_compat.state import reset
+    from smp_compat.globalstate import reset
 
     reset()
     yield

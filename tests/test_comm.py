@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import smp_compat as smp
 from smp_compat.errors import DDPNotEnabledError, SMPConfigError, SMPNotInitializedError
-from smp_compat.state import state
+from smp_compat.globalstate import state
 from smp_compat.testing import run_ranks
 from smp_compat.topology import Topology
 

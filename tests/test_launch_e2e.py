@@ -329,11 +329,14 @@ def installed_shim() -> Any:
 def test_shim_maps_package_and_submodules_to_the_same_objects() -> None:
     smp = importlib.import_module("smdistributed.modelparallel.torch")
     assert smp is smp_compat
-    for name in ("state", "step", "step_output", "config", "topology", "comm", "model", "optimizer"):
+    for name in ("globalstate", "stepping", "step_output", "config", "topology", "comm", "model", "optimizer"):
         alias = importlib.import_module(f"smdistributed.modelparallel.torch.{name}")
         assert alias is importlib.import_module(f"smp_compat.{name}"), name
-    spec = importlib.import_module("smp_compat.state").__spec__
-    assert spec is not None and spec.name == "smp_compat.state"  # the real module's spec is untouched
+    importlib.import_module("smdistributed.modelparallel.torch.partitioning")
+    # importing aliases must never replace the API objects that share a name with a submodule
+    assert callable(smp_compat.step) and callable(smp_compat.partition) and hasattr(smp_compat.state, "cfg")
+    spec = importlib.import_module("smp_compat.globalstate").__spec__
+    assert spec is not None and spec.name == "smp_compat.globalstate"  # the real module's spec is untouched
     from smdistributed.modelparallel.torch.step_output import StepOutput  # type: ignore[import-not-found]
 
     assert StepOutput is smp_compat.StepOutput
@@ -358,9 +361,9 @@ def test_shim_is_absent_by_default_and_boots_from_pythonpath() -> None:
         "print('absent' if spec is None else spec.origin)\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "import smdistributed.modelparallel.torch as smp, smp_compat\n"
-        "import smdistributed.modelparallel.torch.step as step\n"
+        "import smdistributed.modelparallel.torch.stepping as step\n"
         "from smdistributed.modelparallel import __version__\n"
-        "print(smp is smp_compat, step is smp_compat.step, smp_compat.__spec__.name, __version__)\n"
+        "print(smp is smp_compat, step is smp_compat.stepping, smp_compat.__spec__.name, __version__)\n"
     )
     proc = subprocess.run([sys.executable, "-c", probe, shim.SITE_DIR], env=_clean_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip

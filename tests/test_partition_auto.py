@@ -13,8 +13,8 @@ from rich.console import Console
 from torch import nn
 
 from smp_compat.errors import PartitionError
-from smp_compat.partition import PartitionPlan, TraceResult, auto_plan, state_modules, trace_modules, validate_plan
-from smp_compat.partition.auto import split_min_max
+from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, state_modules, trace_modules, validate_plan
+from smp_compat.partitioning.auto import split_min_max
 
 
 def mlp(layers: int = 8, width: int = 32) -> nn.Sequential:

@@ -14,7 +14,7 @@ from torch import nn
 import smp_compat
 from smp_compat.config import resolve_config
 from smp_compat.errors import PartitionError, SMPNotInitializedError
-from smp_compat.partition import (
+from smp_compat.partitioning import (
     PartitionPlan,
     clear_records,
     manual_plan,
@@ -24,7 +24,7 @@ from smp_compat.partition import (
     state_modules,
     validate_plan,
 )
-from smp_compat.state import state
+from smp_compat.globalstate import state
 
 ORIGINAL_INIT = nn.Module.__init__
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from smp_compat.partition import trace_modules
-from smp_compat.partition.trace import output_bytes
+from smp_compat.partitioning import trace_modules
+from smp_compat.partitioning.trace import output_bytes
 
 
 class Reordered(nn.Module):

@@ -21,7 +21,7 @@ from rich.console import Console
 from torch import nn
 
 from smp_compat.errors import RemoteError, StepUsageError
-from smp_compat.partition import PartitionPlan, auto_plan, manual_plan, trace_modules, validate_plan
+from smp_compat.partitioning import PartitionPlan, auto_plan, manual_plan, trace_modules, validate_plan
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
     CallRecord,
@@ -37,8 +37,8 @@ from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import Fatal, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.serialize import broadcast_object
-from smp_compat.state import state
-from smp_compat.step import StepCall, in_step, is_tracing, set_current_microbatch, tracing_call
+from smp_compat.globalstate import state
+from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch, tracing_call
 
 __all__ = ["PipelineEngine"]
 

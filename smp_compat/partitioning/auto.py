@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from smp_compat.errors import PartitionError
-from smp_compat.partition.plan import PartitionPlan, owns_state, shared_groups
-from smp_compat.partition.trace import TraceResult
+from smp_compat.partitioning.plan import PartitionPlan, owns_state, shared_groups
+from smp_compat.partitioning.trace import TraceResult
 
 __all__ = ["auto_plan", "split_min_max"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from smp_compat.partition.auto import auto_plan
-from smp_compat.partition.manual import clear_records, manual_plan, partition, set_partition
-from smp_compat.partition.plan import PartitionPlan, shared_groups, shared_tensors, state_modules, validate_plan
-from smp_compat.partition.trace import TraceResult, trace_modules
+from smp_compat.partitioning.auto import auto_plan
+from smp_compat.partitioning.manual import clear_records, manual_plan, partition, set_partition
+from smp_compat.partitioning.plan import PartitionPlan, shared_groups, shared_tensors, state_modules, validate_plan
+from smp_compat.partitioning.trace import TraceResult, trace_modules
 
 __all__ = [
     "PartitionPlan",

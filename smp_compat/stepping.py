@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from smp_compat.errors import StepUsageError
 from smp_compat.split import split_step_inputs, validate_split_options
-from smp_compat.state import state
+from smp_compat.globalstate import state
 from smp_compat.step_output import merge_step_outputs
 
 __all__ = [

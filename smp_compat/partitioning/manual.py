@@ -13,8 +13,8 @@ from typing import Any
 from torch import nn
 
 from smp_compat.errors import PartitionError
-from smp_compat.partition.plan import PartitionPlan, check_shared_together, state_modules
-from smp_compat.state import state
+from smp_compat.partitioning.plan import PartitionPlan, check_shared_together, state_modules
+from smp_compat.globalstate import state
 
 __all__ = ["clear_records", "manual_plan", "partition", "set_partition"]
 
