@@ -46,6 +46,7 @@ class Result:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; defaults are the workload of docs/benchmarks.md."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     p.add_argument("--layers", type=int, default=8, help="number of Linear layers")
@@ -82,6 +83,7 @@ def make_mlp(width: int, layers: int, seed: int = 0) -> nn.Sequential:
 
 
 def make_batches(args: argparse.Namespace, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed random inputs and targets, built once, shared by A and B."""
     g = torch.Generator().manual_seed(1)
     shape = (args.batch, args.width)
     return [(torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device))
@@ -104,7 +106,7 @@ def plain_loop(
 
 
 def smp_loop(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """B: the same loop as an SMP script writes it (the loss is read back, as scripts log it)."""
+    """B: the same loop as an SMP script writes it (``reduce_mean()`` of the loss, as scripts log it)."""
 
     @smp.step
     def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> Result:
     batches = make_batches(args, device)
     for name in ("A", "B"):
         timed(loops[name], batches, args.warmup, device)
-    samples = {"A": [], "B": []}
+    samples: dict[str, list[float]] = {"A": [], "B": []}
     for r in range(args.rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):  # alternate who goes first, to cancel drift
             samples[name].append(args.steps * args.batch / timed(loops[name], batches, args.steps, device))
@@ -165,10 +167,13 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def report(result: Result, console: Console) -> None:
+    """Print the per-round table and the verdict."""
     a = result.args
+    both = " (A too)" if a["accumulate"] else ""
     table = Table(
         title=f"pp=1 overhead: MLP width {a['width']} x {a['layers']} layers, batch {a['batch']}, "
-        f"microbatches {a['microbatches']}{' (A too)' if a['accumulate'] else ''}, {a['steps']} steps/round, {a['threads']} thread(s), {result.device}"
+        f"microbatches {a['microbatches']}{both}, {a['steps']} steps/round, {a['threads']} thread(s), "
+        f"{result.device}"
     )
     table.add_column("round", justify="right")
     table.add_column("A plain (samples/s)", justify="right")
@@ -188,6 +193,7 @@ def report(result: Result, console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run, print, optionally write JSON; exit status 1 when the target is missed."""
     args = parse_args(argv)
     result = run(args)
     report(result, Console())

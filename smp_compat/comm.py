@@ -124,6 +124,11 @@ def gather(obj: Any, group: CommGroup | int, rank: int = 0) -> list[Any] | None:
     """Objects of every member on group rank ``rank`` (others get None); built on allgather."""
     axis = _axis(group, CommGroup)
     members = _members(axis)
+    if not 0 <= rank < len(members):
+        raise SMPConfigError(
+            f"smp.gather rank {rank!r} is out of range for {CommGroup(group).name} (group of {len(members)}); "
+            f"pass a group rank in 0..{len(members) - 1}."
+        )
     everything = allgather(obj, group)
     return everything if state.rank == members[rank] else None
 

@@ -121,7 +121,8 @@ def _check_parts(f: str | os.PathLike[str], back_compat: bool) -> None:
         pattern = re.compile(re.escape(base.name) + r"_(\d+)_(\d+)" + tail)
         expected = {(p, t) for p in range(topo.pp_size) for t in range(topo.tp_size)}
     directory = base.parent if str(base.parent) else Path(".")
-    found = {tuple(int(g) for g in m.groups()) for p in directory.iterdir() if (m := pattern.match(p.name))}
+    entries = directory.iterdir() if directory.is_dir() else ()
+    found = {tuple(int(g) for g in m.groups()) for p in entries if (m := pattern.match(p.name))}
     if found != expected:
         raise CheckpointError(
             f"smp.load({str(f)!r}, partial=True) found parts {sorted(found) or 'none'} but this job's "

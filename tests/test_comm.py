@@ -329,3 +329,9 @@ def test_peer_rank_out_of_range_is_a_config_error() -> None:
         smp.send("x", 1, smp.RankType.DP_RANK)
     with pytest.raises(SMPConfigError, match="out of range"):
         smp.recv_from(-1, smp.RankType.WORLD_RANK)
+
+
+def test_gather_destination_out_of_range_is_a_config_error() -> None:
+    smp.init({})
+    with pytest.raises(SMPConfigError, match=r"smp.gather rank 3 is out of range for WORLD \(group of 1\)"):
+        smp.gather(1, smp.WORLD, rank=3)

@@ -120,6 +120,8 @@ def test_loading_with_no_parts_says_none(tmp_path: Path) -> None:
     smp.init({})
     with pytest.raises(CheckpointError, match=r"found parts none"):
         smp.load(tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match=r"found parts none"):  # the directory itself is missing
+        smp.load(tmp_path / "no_such_dir" / "model.pt")
 
 
 def test_back_compat_name_and_part_check(tmp_path: Path) -> None:

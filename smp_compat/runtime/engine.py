@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from smp_compat import timeline
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.partitioning import PartitionPlan, auto_plan, manual_plan, trace_modules, validate_plan
 from smp_compat.runtime.placement import Placement
@@ -44,7 +45,10 @@ __all__ = ["PipelineEngine"]
 
 log = logging.getLogger("smp_compat")
 
-_FORWARD, _BACKWARD = 1, 0
+# Task priority classes, lowest first. A task resuming after a remote forward reply is on the
+# critical path (it computes what another rank waits for: the next hop, or the loss whose gradient
+# starts that rank's backward), then backward work (frees memory, 1F1B), then new forward work.
+_CONTINUE, _BACKWARD, _FORWARD = 0, 1, 2
 
 
 class PipelineEngine:
@@ -128,7 +132,10 @@ class PipelineEngine:
         }  # fmt: skip
         self.transport.send(owner, "fwd", meta, tensors)
         self._waiting[call_id] = ctx.task
+        phase = ctx.task.priority[0]
+        ctx.task.priority = (_CONTINUE, ctx.scope.microbatch)
         reply: Message = self.scheduler.block(ctx.task, f"forward of {description}")
+        ctx.task.priority = (phase, ctx.scope.microbatch)
         if reply.kind == "fwd_err":
             raise RemoteError(f"{description} failed on rank {owner}:\n{reply.meta['error']}")
         outputs = reply.tensors
@@ -223,6 +230,7 @@ class PipelineEngine:
     def _spawn_served(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
         mb = message.meta["mb"] if phase == _FORWARD else self._served_mb(message)
         task = Task(f"serve-{'fwd' if phase == _FORWARD else 'bwd'}-mb{mb}", None, (phase, mb))
+        task.phase = "forward" if phase == _FORWARD else "backward"
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
 
@@ -301,6 +309,7 @@ class PipelineEngine:
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
         """One ``@smp.step`` call: pp_rank 0 drives the microbatches, the other ranks serve until told to stop."""
         root = self.scheduler.adopt("step")
+        started = timeline.now()
         try:
             if self.pp_rank == 0:
                 outputs = self._drive_step(root, step_fn, call, microbatches)
@@ -309,6 +318,9 @@ class PipelineEngine:
         finally:
             self.scheduler.release_root()
             self._step = None
+        recorder = timeline.current()
+        if recorder is not None:
+            recorder.add_step(started, timeline.now())
         return outputs
 
     def _drive_step(self, root: Task, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
@@ -390,6 +402,7 @@ class _StepRun:
                 self.simple_waiters.append(task)
                 self.engine.scheduler.block(task, "every microbatch's forward (simple pipeline)", expects_reply=False)
         task.priority = (_BACKWARD, task.priority[1])
+        task.phase = "backward"
 
     def _release_simple_waiters(self) -> None:
         if self.in_backward + self.finished >= len(self.microbatches):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from smp_compat import timeline
 from smp_compat.errors import SMPTimeoutError
 
 __all__ = ["Task", "Scheduler", "Fatal"]
@@ -56,6 +57,8 @@ class Task:
         self.waiting_for = ""
         self.expects_reply = False
         self.on_done: Callable[[Task], None] | None = None
+        self.resumed_at = 0.0
+        self.phase = "forward"  # "forward" or "backward", for the timeline
 
     def __repr__(self) -> str:
         return f"Task({self.name}, waiting for {self.waiting_for or 'nothing'})"
@@ -108,6 +111,7 @@ class Scheduler:
     def _thread_main(self, task: Task) -> None:
         task.go.wait()
         task.go.clear()
+        task.resumed_at = timeline.now()
         try:
             task.result = task.fn()  # type: ignore[misc]
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this task
@@ -135,6 +139,7 @@ class Scheduler:
         return best
 
     def _pass_baton(self, me: Task) -> Any:
+        self._record_run(me)
         idle_since = time.monotonic()
         while True:
             try:
@@ -161,6 +166,7 @@ class Scheduler:
 
     @staticmethod
     def _resume(me: Task) -> Any:
+        me.resumed_at = timeline.now()
         value, me.wakeup = me.wakeup, None
         if isinstance(value, Fatal):
             raise value.error
@@ -175,12 +181,28 @@ class Scheduler:
             self.handle(message)
 
     def _wait_for_message(self, idle_since: float) -> None:
+        start = timeline.now()
         try:
             message = self.inbox.get(timeout=_POLL_S)
         except queue.Empty:
+            self._record_idle(start)
             self._check_idle(idle_since)
             return
+        self._record_idle(start)
         self.handle(message)
+
+    @staticmethod
+    def _record_idle(start: float) -> None:
+        recorder = timeline.current()
+        if recorder is not None:
+            recorder.add(timeline.Span("compute", "idle", "idle", start, timeline.now()))
+
+    @staticmethod
+    def _record_run(task: Task) -> None:
+        recorder = timeline.current()
+        if recorder is not None and task.fn is not None and task.resumed_at:
+            span = timeline.Span("compute", task.name, task.phase, task.resumed_at, timeline.now(), task.priority[1])
+            recorder.add(span)
 
     def _check_idle(self, idle_since: float) -> None:
         idle = time.monotonic() - idle_since
