@@ -25,11 +25,15 @@ from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.partitioning import PartitionPlan, auto_plan, manual_plan, trace_modules, validate_plan
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
+    CallId,
     CallRecord,
     Context,
+    Driver,
+    Hosted,
+    MicrobatchCalls,
     RemoteOutputs,
-    Scope,
-    ServedCall,
+    RemoteTensor,
+    ValueId,
     amp_state,
     context,
     set_context,
@@ -75,10 +79,15 @@ class PipelineEngine:
         groups = create_channel_groups(topo.all_groups("pp"))
         peers = [r for r in self.pp_members if r != self.rank]
         self.transport = Transport(self.rank, peers, groups, state.device, self.scheduler.inbox.put)
+        self.device = state.device
         self._seq = itertools.count()
         self._waiting: dict[tuple[int, int], Task] = {}
-        self._records: dict[tuple[int, int], CallRecord] = {}
-        self._served: dict[tuple[int, int], ServedCall] = {}
+        self._requests: dict[tuple[int, int], Driver] = {}
+        self._request_owner: dict[tuple[int, int], int] = {}
+        self._mb_calls: dict[int, MicrobatchCalls] = {}
+        self._hosted: dict[tuple[int, int], Hosted] = {}
+        self._lazy_sites: set[tuple[Any, ...]] = set()
+        self._driving: Driver | None = None
         self._step: _StepRun | None = None
         self._end_step: Message | None = None
         self._closed = False
@@ -117,50 +126,141 @@ class PipelineEngine:
             x = child(x)
         return x
 
-    def remote_call(self, owner_pp: int, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
-        """Run ``target`` on pipeline rank ``owner_pp`` and return its outputs, attached to autograd."""
-        ctx = _require_context(self, target)
-        owner = self.pp_members[owner_pp]
-        skeleton, tensors = flatten_tensors((args, kwargs))
-        grad = torch.is_grad_enabled()
-        needs_grad = [grad and t.requires_grad for t in tensors]
-        call_id = (self.rank, next(self._seq))
-        description = f"{self._describe(target)} on rank {owner} (microbatch {ctx.scope.microbatch})"
-        meta = {
-            "call": call_id, "target": target, "mb": ctx.scope.microbatch, "grad": grad,
-            "amp": amp_state(), "skeleton": skeleton, "requires_grad": needs_grad,
-        }  # fmt: skip
-        self.transport.send(owner, "fwd", meta, tensors)
-        self._waiting[call_id] = ctx.task
-        phase = ctx.task.priority[0]
-        ctx.task.priority = (_CONTINUE, ctx.scope.microbatch)
-        reply: Message = self.scheduler.block(ctx.task, f"forward of {description}")
-        ctx.task.priority = (phase, ctx.scope.microbatch)
-        if reply.kind == "fwd_err":
-            raise RemoteError(f"{description} failed on rank {owner}:\n{reply.meta['error']}")
-        outputs = reply.tensors
-        differentiable = reply.meta["differentiable"]
-        if any(differentiable):
-            record = CallRecord(
-                call_id, owner, ctx.scope, [t if n else None for t, n in zip(tensors, needs_grad)],
-                differentiable, description, received=list(outputs),
-            )  # fmt: skip
-            ctx.scope.calls[call_id] = record
-            self._records[call_id] = record
-            outputs = list(RemoteOutputs.apply(self, record, _anchor()))
-        return fill_tensors(reply.meta["skeleton"], outputs)
-
     def _describe(self, target: tuple[Any, ...]) -> str:
         name = self.placement.names[target[1]] or "<root>"
         return name if target[0] == "module" else f"{name}[{target[2]}:{target[3]}]"
 
+    def _calls(self, mb: int) -> MicrobatchCalls:
+        calls = self._mb_calls.get(mb)
+        if calls is None:
+            calls = self._mb_calls[mb] = MicrobatchCalls(mb)
+        return calls
+
+    # ------------------------------------------------------------------ caller side
+    def remote_call(self, owner_pp: int, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
+        """Run ``target`` on pipeline rank ``owner_pp``; outputs come back attached to autograd (or stay there)."""
+        ctx = _require_context(self, target)
+        owner = self.pp_members[owner_pp]
+        calls = self._calls(ctx.microbatch)
+        skeleton, tensors = flatten_tensors((args, kwargs))
+        grad = torch.is_grad_enabled()
+        call_id = (self.rank, next(self._seq))
+        site = (target, calls.site_counts.get(target, 0))
+        calls.site_counts[target] = site[1] + 1
+        record = CallRecord(call_id, owner, ctx.microbatch, site, f"{self._describe(target)} on rank {owner} "
+                            f"(microbatch {ctx.microbatch})", grad_inputs=[])  # fmt: skip
+        specs, data = self._encode_inputs(calls, record, tensors, grad)
+        lazy = site in self._lazy_sites
+        meta = {
+            "call": call_id, "target": target, "mb": ctx.microbatch, "grad": grad, "amp": amp_state(),
+            "skeleton": skeleton, "inputs": specs, "lazy": lazy,
+        }  # fmt: skip
+        self.transport.send(owner, "fwd", meta, data)
+        reply = self._await(ctx, call_id, f"forward of {record.description}")
+        if reply.kind == "fwd_err":
+            raise RemoteError(f"{record.description} failed on rank {owner}:\n{reply.meta['error']}")
+        calls.records[call_id] = record
+        outputs = self._decode_outputs(calls, record, reply, grad)
+        return fill_tensors(reply.meta["skeleton"], outputs)
+
+    def _encode_inputs(self, calls: MicrobatchCalls, record: CallRecord, tensors: list[torch.Tensor],
+                       grad: bool) -> tuple[list[tuple], list[torch.Tensor]]:  # fmt: skip
+        """Each input as a reference to a value the owner already holds, or as data (a new leaf there).
+
+        ``record.grad_inputs[i]`` is the caller's tensor behind the owner's leaf ``(call, "in", i)``.
+        """
+        specs, data = [], []
+        for t in tensors:
+            held = self._held_by_owner(calls, record.owner, t)
+            if held is not None:
+                specs.append(("ref", held))
+                record.grad_inputs.append(None)
+                continue
+            if isinstance(t, RemoteTensor):
+                t = t.materialize()
+            needs_grad = grad and t.requires_grad
+            calls.remember(record.owner, t, (record.call_id, "in", len(specs)))
+            specs.append(("data", len(data), needs_grad))
+            record.grad_inputs.append(t if needs_grad else None)
+            data.append(t)
+        return specs, data
+
+    def _held_by_owner(self, calls: MicrobatchCalls, owner: int, t: torch.Tensor) -> ValueId | None:
+        """The owner's value for ``t`` when it has it already (a result it produced, or data sent before)."""
+        if isinstance(t, RemoteTensor):
+            if t._owner != owner:
+                return None
+            t._record.passed_on = True
+            return t._value
+        held = calls.held_value(owner, t)
+        if held is not None:
+            self._mark_passed_on(calls, held)
+        return held
+
+    def _mark_passed_on(self, calls: MicrobatchCalls, value: ValueId) -> None:
+        if value[1] == "out":
+            source = calls.records.get(value[0])
+            if source is not None:
+                source.passed_on = True
+
+    def _decode_outputs(self, calls: MicrobatchCalls, record: CallRecord, reply: Message, grad: bool) -> list:
+        """Real tensors (eager reply) attached through RemoteOutputs, or RemoteTensor placeholders (lazy)."""
+        specs = reply.meta["outputs"]
+        values = [(record.call_id, "out", j) for j in range(len(specs))]
+        if reply.meta["lazy"]:
+            return [RemoteTensor(self, record, v, shape, dtype, self.device, grad and diff)
+                    for v, (shape, dtype, diff) in zip(values, specs)]  # fmt: skip
+        outputs = list(reply.tensors)
+        for v, o in zip(values, outputs):
+            calls.remember(record.owner, o, v)
+        differentiable = [j for j, (_, _, diff) in enumerate(specs) if grad and diff]
+        if differentiable:
+            record.out_values = [values[j] for j in differentiable]
+            attached = RemoteOutputs.apply(self, record, [outputs[j] for j in differentiable], _anchor())
+            for j, t in zip(differentiable, attached):
+                calls.remember(record.owner, t, values[j])
+                outputs[j] = t
+        return outputs
+
+    def fetch(self, remote: RemoteTensor) -> torch.Tensor:
+        """Bring a value that stayed on its owner here, because this rank uses it after all."""
+        ctx = context()
+        record = remote._record
+        self._lazy_sites.discard(record.site)
+        request = (self.rank, next(self._seq))
+        self.transport.send(record.owner, "get", {"req": request, "mb": record.microbatch, "value": remote._value})
+        reply = self._await(ctx, request, f"the value of {record.description}")
+        (data,) = reply.tensors
+        if not remote.requires_grad:
+            return data
+        sub = CallRecord(record.call_id, record.owner, record.microbatch, record.site, record.description, [],
+                         out_values=[remote._value])  # fmt: skip
+        (attached,) = RemoteOutputs.apply(self, sub, [data], _anchor())
+        return attached
+
+    def _await(self, ctx: Context | None, key: tuple[int, int], what: str) -> Message:
+        if ctx is None:
+            raise StepUsageError(f"{what} is needed outside a microbatch of an @smp.step function.")
+        self._waiting[key] = ctx.task
+        phase = ctx.task.priority[0]
+        ctx.task.priority = (_CONTINUE, ctx.microbatch)
+        try:
+            return self.scheduler.block(ctx.task, what)
+        finally:
+            ctx.task.priority = (phase, ctx.microbatch)
+
     # ------------------------------------------------------------------ backward
     def send_output_grads(self, record: CallRecord, grads: list[torch.Tensor | None]) -> None:
-        """Called from autograd: ship the gradients of a remote call's outputs to its owner."""
+        """Called from autograd (any thread): ship the gradients of remote outputs to their owner."""
+        driver = self._driving
         record.triggered = True
-        record.scope.outstanding.add(record.call_id)
-        has = [g is not None for g in grads]
-        self.transport.send(record.owner, "bwd", {"call": record.call_id, "has": has}, [g for g in grads if g is not None])
+        request = (self.rank, next(self._seq))
+        driver.outstanding.add(request)
+        self._requests[request] = driver
+        self._request_owner[request] = record.owner
+        values = [v for v, g in zip(record.out_values, grads) if g is not None]
+        meta = {"req": request, "mb": record.microbatch, "values": values}
+        self.transport.send(record.owner, "bwd", meta, [g for g in grads if g is not None])
 
     def backward(self, tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor]) -> None:
         """``model.backward`` inside a microbatch task on pp_rank 0."""
@@ -170,56 +270,84 @@ class PipelineEngine:
         self._step.enter_backward(ctx.task)
         self._drive_backward(ctx, tensors, grad_tensors)
 
-    def _drive_backward(self, ctx: Context, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """Local segment, then one more segment per batch of input gradients returned by owners."""
-        scope = ctx.scope
-        _segment(tensors, grads)
-        while scope.outstanding:
-            ready = [c for c in scope.outstanding if c in scope.responses]
+    def _drive_backward(self, ctx: Context, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        """Local segment, then one more segment per batch of leaf gradients the owners return."""
+        driver = Driver(ctx.task)
+        self._segment(driver, roots, grads)
+        while driver.outstanding:
+            ready = [r for r in driver.outstanding if r in driver.replies]
             if not ready:
-                scope.waiting_task = ctx.task
-                pending = ", ".join(scope.calls[c].description for c in sorted(scope.outstanding))
-                self.scheduler.block(ctx.task, f"input gradients of {pending}")
-                scope.waiting_task = None
+                driver.waiting = True
+                self.scheduler.block(ctx.task, f"gradients from {self._pending_owners(driver)}")
+                driver.waiting = False
                 continue
-            roots, root_grads = [], []
-            for call_id in sorted(ready):
-                scope.outstanding.discard(call_id)
-                record = scope.calls.pop(call_id)
-                self._records.pop(call_id, None)
-                for t, g in zip(record.grad_inputs, scope.responses.pop(call_id)):
-                    if t is not None and g is not None:
+            roots, grads = [], []
+            for request in sorted(ready):
+                driver.outstanding.discard(request)
+                reply = driver.replies.pop(request)
+                if reply.kind == "bwd_err":
+                    raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}")
+                for (call_id, _, i), g in zip(reply.meta["leaves"], reply.tensors):
+                    t = self._record(call_id).grad_inputs[i]
+                    if t is not None:
                         roots.append(t)
-                        root_grads.append(g)
-            _segment(roots, root_grads)
-        self._release_untriggered(scope)
+                        grads.append(g)
+            self._segment(driver, roots, grads)
 
-    def _release_untriggered(self, scope: Scope) -> None:
-        """Calls whose outputs got no gradient: tell their owners to drop the saved graphs."""
-        by_owner: dict[int, list[tuple[int, int]]] = {}
-        for call_id, record in scope.calls.items():
-            if not record.triggered:
-                by_owner.setdefault(record.owner, []).append(call_id)
-                self._records.pop(call_id, None)
-        scope.calls.clear()
-        for owner, calls in by_owner.items():
-            self.transport.send(owner, "release", {"calls": calls})
+    def _segment(self, driver: Driver, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        """One local backward; the graph is kept because a later segment may pass through the same nodes."""
+        pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
+        if not pairs:
+            return
+        previous, self._driving = self._driving, driver
+        try:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
+        finally:
+            self._driving = previous
 
-    # ------------------------------------------------------------------ messages
+    def _pending_owners(self, driver: Driver) -> str:
+        return ", ".join(sorted({f"rank {self._request_owner.get(r, '?')}" for r in driver.outstanding}))
+
+    def _record(self, call_id: CallId) -> CallRecord:
+        for calls in self._mb_calls.values():
+            record = calls.records.get(call_id)
+            if record is not None:
+                return record
+        raise RemoteError(f"rank {self.rank} got gradients for an unknown call {call_id}")
+
+    def _end_microbatch(self, mb: int) -> None:
+        """Learn which call sites only pass results on, and let owners drop this microbatch's values."""
+        calls = self._mb_calls.pop(mb, None)
+        if calls is None:
+            return
+        for record in calls.records.values():
+            if record.passed_on and not record.triggered:
+                self._lazy_sites.add(record.site)
+        for owner in sorted({r.owner for r in calls.records.values()}):
+            self.transport.send(owner, "release", {"mb": mb})
+
+    # ------------------------------------------------------------------ owner side
     def _handle(self, message: Message) -> None:
         """Runs in whichever thread holds the baton: turn a message into wake-ups or new tasks."""
         kind, meta = message.kind, message.meta
-        if kind in ("fwd_ok", "fwd_err"):
-            self.scheduler.wake(self._waiting.pop(meta["call"]), message)
+        if kind in ("fwd_ok", "fwd_err", "got"):
+            self.scheduler.wake(self._waiting.pop(meta.get("call", meta.get("req"))), message)
         elif kind == "fwd":
-            self._spawn_served(message, _FORWARD, self._serve_forward)
+            self._spawn(message, _FORWARD, self._serve_forward)
         elif kind == "bwd":
-            self._spawn_served(message, _BACKWARD, self._serve_backward)
+            self._spawn(message, _BACKWARD, self._serve_backward)
+        elif kind == "get":
+            value = self._hosted[(message.src, meta["mb"])].values[meta["value"]]
+            self.transport.send(message.src, "got", {"req": meta["req"]}, [value.detach()])
         elif kind in ("bwd_ok", "bwd_err"):
-            self._on_input_grads(message)
+            driver = self._requests.pop(meta["req"])
+            self._request_owner.pop(meta["req"], None)
+            driver.replies[meta["req"]] = message
+            if driver.waiting:
+                self.scheduler.wake(driver.task)
         elif kind == "release":
-            for call_id in meta["calls"]:
-                self._release_served(call_id)
+            self._hosted.pop((message.src, meta["mb"]), None)
+            self._end_microbatch(meta["mb"])
         elif kind == "end_step":
             self._end_step = message
             if self.scheduler.root is not None:
@@ -227,83 +355,68 @@ class PipelineEngine:
         elif kind == "transport_error":
             raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
 
-    def _spawn_served(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
-        mb = message.meta["mb"] if phase == _FORWARD else self._served_mb(message)
+    def _spawn(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
+        mb = message.meta["mb"]
         task = Task(f"serve-{'fwd' if phase == _FORWARD else 'bwd'}-mb{mb}", None, (phase, mb))
         task.phase = "forward" if phase == _FORWARD else "backward"
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
 
-    def _served_mb(self, message: Message) -> int:
-        served = self._served.get(message.meta["call"])
-        return served.scope.microbatch if served else 0
-
     def _serve_forward(self, task: Task, message: Message) -> None:
         meta = message.meta
-        description = f"{self._describe(meta['target'])} (microbatch {meta['mb']}, forward)"
-        scope = Scope(meta["mb"])
-        set_context(Context(task, scope))
-        set_current_microbatch(meta["mb"])
+        call_id, mb = meta["call"], meta["mb"]
+        description = f"{self._describe(meta['target'])} (microbatch {mb}, forward, called by rank {message.src})"
+        hosted = self._hosted.setdefault((message.src, mb), Hosted())
+        set_context(Context(task, mb))
+        set_current_microbatch(mb)
         try:
-            inputs = [t.requires_grad_() if n else t for t, n in zip(message.tensors, meta["requires_grad"])]
+            inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
             args, kwargs = fill_tensors(meta["skeleton"], inputs)
             with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
                 result = self.run_target(meta["target"], args, kwargs)
             skeleton, outputs = flatten_tensors(result)
-            differentiable = [meta["grad"] and o.requires_grad for o in outputs]
         except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            self._reply_error(message, "fwd_err", description)
+            self._reply_error(message, "fwd_err", "call", description)
             return
-        if any(differentiable):
-            grad_inputs = [t for t, n in zip(inputs, meta["requires_grad"]) if n]
-            grad_outputs = [o for o, d in zip(outputs, differentiable) if d]
-            self._served[meta["call"]] = ServedCall(meta["call"], message.src, grad_inputs, grad_outputs, scope, description)
-        else:
-            self._release_untriggered(scope)
-        reply = {"call": meta["call"], "skeleton": skeleton, "differentiable": differentiable}
-        self.transport.send(message.src, "fwd_ok", reply, outputs)
+        specs = []
+        for j, o in enumerate(outputs):
+            hosted.values[(call_id, "out", j)] = o
+            specs.append((tuple(o.shape), o.dtype, meta["grad"] and o.requires_grad))
+        reply = {"call": call_id, "skeleton": skeleton, "outputs": specs, "lazy": meta["lazy"]}
+        self.transport.send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
+
+    def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
+        inputs = []
+        for i, spec in enumerate(specs):
+            if spec[0] == "ref":
+                inputs.append(hosted.values[spec[1]])
+                continue
+            t = data[spec[1]]
+            if spec[2]:
+                t.requires_grad_()
+                hosted.leaves.append(((call_id, "in", i), t))
+            hosted.values[(call_id, "in", i)] = t
+            inputs.append(t)
+        return inputs
 
     def _serve_backward(self, task: Task, message: Message) -> None:
         meta = message.meta
-        served = self._served.pop(meta["call"])
-        set_context(Context(task, served.scope))
-        set_current_microbatch(served.scope.microbatch)
-        grads = iter(message.tensors)
-        pairs = [(o, next(grads)) for o, has in zip(served.outputs, meta["has"]) if has]
+        hosted = self._hosted[(message.src, meta["mb"])]
+        set_context(Context(task, meta["mb"]))
+        set_current_microbatch(meta["mb"])
         try:
-            self._drive_backward(Context(task, served.scope), [o for o, _ in pairs], [g for _, g in pairs])
+            roots = [hosted.values[v] for v in meta["values"]]
+            self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
         except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            self._reply_error(message, "bwd_err", served.description.replace("forward", "backward"))
+            self._reply_error(message, "bwd_err", "req", f"backward of microbatch {meta['mb']}")
             return
-        input_grads = [t.grad for t in served.inputs]
-        reply = {"call": meta["call"], "has": [g is not None for g in input_grads]}
-        self.transport.send(message.src, "bwd_ok", reply, [g for g in input_grads if g is not None])
+        leaves, grads = hosted.collect_leaf_grads()
+        self.transport.send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
 
-    def _on_input_grads(self, message: Message) -> None:
-        call_id = message.meta["call"]
-        record = self._records[call_id]
-        scope = record.scope
-        if message.kind == "bwd_err":
-            error = RemoteError(f"backward of {record.description} failed:\n{message.meta['error']}")
-            if scope.waiting_task is None:
-                self.scheduler.fail(error)
-            else:
-                self.scheduler.wake(scope.waiting_task, Fatal(error))
-            return
-        tensors = iter(message.tensors)
-        scope.responses[call_id] = [next(tensors) if has else None for has in message.meta["has"]]
-        if scope.waiting_task is not None:
-            self.scheduler.wake(scope.waiting_task)
-
-    def _release_served(self, call_id: tuple[int, int]) -> None:
-        served = self._served.pop(call_id, None)
-        if served is not None:
-            self._release_untriggered(served.scope)
-
-    def _reply_error(self, message: Message, kind: str, description: str) -> None:
+    def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"
         log.error("smp_compat: %s", text)
-        self.transport.send(message.src, kind, {"call": message.meta["call"], "error": text})
+        self.transport.send(message.src, kind, {key: message.meta[key], "error": text})
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
@@ -382,13 +495,12 @@ class _StepRun:
 
     def _body(self, task: Task, mb: int) -> Callable[[], Any]:
         def run() -> Any:
-            scope = Scope(mb)
-            set_context(Context(task, scope))
+            set_context(Context(task, mb))
             try:
                 args, kwargs = self.microbatches[mb]
-                return self.step_fn.run_microbatch(mb, args, kwargs, self.call)
+                return _materialized(self.step_fn.run_microbatch(mb, args, kwargs, self.call))
             finally:
-                self.engine._release_untriggered(scope)
+                self.engine._end_microbatch(mb)
                 set_context(None)
 
         return run
@@ -425,11 +537,12 @@ class _StepRun:
 
 
 # ---------------------------------------------------------------------- helpers
-def _segment(tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-    """One local backward; the graph is kept because a later segment may pass through the same nodes."""
-    pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
+def _materialized(value: Any) -> Any:
+    """Step outputs leave the microbatch: bring any result that stayed remote here."""
+    skeleton, tensors = flatten_tensors(value)
+    if not any(isinstance(t, RemoteTensor) for t in tensors):
+        return value
+    return fill_tensors(skeleton, [t.materialize() if isinstance(t, RemoteTensor) else t for t in tensors])
 
 
 _ANCHOR: list[torch.Tensor] = []

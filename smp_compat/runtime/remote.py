@@ -1,15 +1,21 @@
 """Remote module calls and their cross-rank autograd, without ever blocking inside autograd.
 
-The graph is cut at every rank boundary: a remote call sends detached inputs and keeps the
-caller's graph-attached inputs; its outputs come back through ``RemoteOutputs``, whose backward
-only *sends* the output gradients to the owner. The task that started the backward then waits
-(outside autograd) for the owner's input gradients and runs the next local segment from them.
-So autograd never waits on the network, also on CUDA where it runs on device threads.
+The graph is cut at every rank boundary. The owner of a module keeps, per (caller, microbatch),
+every tensor a call received or produced as a *value*: a later call may refer to a value instead
+of sending its data again (results rank 0 only passes on stay where they are). Received tensors
+that need gradients are *leaves* on the owner.
+
+Backward: a remote call's outputs come back through ``RemoteOutputs``, whose backward only *sends*
+the output gradients to the owner. The task that drives the backward then waits, outside
+autograd, for the owner's reply (the gradients its leaves collected) and runs the next local
+segment from the caller's tensors that those leaves stand for. So autograd never waits on the
+network, also on CUDA where it runs on device threads.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,64 +24,147 @@ import torch
 if TYPE_CHECKING:
     from smp_compat.runtime.tasks import Task
 
-__all__ = ["CallRecord", "Scope", "ServedCall", "RemoteOutputs", "context", "set_context", "amp_state"]
+__all__ = [
+    "CallId", "ValueId", "CallRecord", "MicrobatchCalls", "Hosted", "Driver", "RemoteOutputs", "RemoteTensor",
+    "context", "set_context", "amp_state",
+]  # fmt: skip
 
-CallId = tuple[int, int]
-
-
-@dataclass
-class Scope:
-    """Backward bookkeeping of one microbatch (pp_rank 0) or one served call: the remote calls it made."""
-
-    microbatch: int
-    calls: dict[CallId, CallRecord] = field(default_factory=dict)
-    outstanding: set[CallId] = field(default_factory=set)
-    responses: dict[CallId, list[torch.Tensor | None]] = field(default_factory=dict)
-    waiting_task: Task | None = None
+CallId = tuple[int, int]  # (caller rank, sequence number): unique in the job
+ValueId = tuple[CallId, str, int]  # (call, "in" | "out", position)
 
 
 @dataclass
 class CallRecord:
-    """Caller side of one remote call that produced differentiable outputs."""
+    """Caller side of one remote call, kept until the microbatch ends."""
 
     call_id: CallId
     owner: int
-    scope: Scope
-    grad_inputs: list[torch.Tensor | None]
-    differentiable: list[bool]
+    microbatch: int
+    site: tuple[Any, ...]
     description: str
-    received: list[torch.Tensor] = field(default_factory=list)
-    triggered: bool = False
+    grad_inputs: list[torch.Tensor | None]  # the caller's tensors behind the owner's leaves ("in", i)
+    out_values: list[ValueId] = field(default_factory=list)  # differentiable outputs
+    triggered: bool = False  # an output got a gradient on this rank
+    passed_on: bool = False  # an output was handed back to the owner as a reference
 
 
 @dataclass
-class ServedCall:
-    """Owner side of one remote call, kept until its backward (or release)."""
+class MicrobatchCalls:
+    """The remote calls this rank made for one microbatch, and what each owner already holds."""
 
-    call_id: CallId
-    caller: int
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor]
-    scope: Scope
-    description: str
+    microbatch: int
+    records: dict[CallId, CallRecord] = field(default_factory=dict)
+    held: dict[int, dict[int, tuple[Any, int, ValueId]]] = field(default_factory=dict)  # owner -> id -> (ref, version, value)
+    site_counts: dict[Any, int] = field(default_factory=dict)
+
+    def held_value(self, owner: int, tensor: torch.Tensor) -> ValueId | None:
+        """The owner's value for ``tensor`` if it already has it (same object, not modified since)."""
+        entry = self.held.get(owner, {}).get(id(tensor))
+        if entry is None:
+            return None
+        ref, version, value = entry
+        return value if ref() is tensor and tensor._version == version else None
+
+    def remember(self, owner: int, tensor: torch.Tensor, value: ValueId) -> None:
+        self.held.setdefault(owner, {})[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
+
+
+@dataclass
+class Hosted:
+    """Owner side: the values one caller's calls of one microbatch received or produced here."""
+
+    values: dict[ValueId, torch.Tensor] = field(default_factory=dict)
+    leaves: list[tuple[ValueId, torch.Tensor]] = field(default_factory=list)
+
+    def collect_leaf_grads(self) -> tuple[list[ValueId], list[torch.Tensor]]:
+        """Gradients the leaves gathered since the last collection (then cleared: report each once)."""
+        ids, grads = [], []
+        for value_id, leaf in self.leaves:
+            if leaf.grad is not None:
+                ids.append(value_id)
+                grads.append(leaf.grad)
+                leaf.grad = None
+        return ids, grads
+
+
+@dataclass
+class Driver:
+    """One task driving a backward: the gradient requests it waits for and the replies that came."""
+
+    task: Task
+    outstanding: set[tuple[int, int]] = field(default_factory=set)
+    replies: dict[tuple[int, int], Any] = field(default_factory=dict)
+    waiting: bool = False
 
 
 class RemoteOutputs(torch.autograd.Function):
-    """Identity on the received outputs whose backward hands the gradients to the engine."""
+    """Identity on received outputs whose backward hands their gradients to the engine."""
 
     @staticmethod
-    def forward(ctx: Any, engine: Any, record: CallRecord, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, engine: Any, record: CallRecord, outputs: list[torch.Tensor], anchor: torch.Tensor) -> Any:
         ctx.engine, ctx.record = engine, record
         ctx.set_materialize_grads(False)
-        outputs = tuple(record.received)
-        record.received = []
-        ctx.mark_non_differentiable(*(o for o, d in zip(outputs, record.differentiable) if not d))
-        return outputs
+        ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         ctx.engine.send_output_grads(ctx.record, list(grads))
-        return None, None, None
+        return None, None, None, None
+
+
+class RemoteTensor(torch.Tensor):
+    """A result that stays on its owner: metadata here, data fetched only if this rank uses it."""
+
+    _engine: Any
+    _owner: int
+    _value: ValueId
+    _record: CallRecord
+    _fetched: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, engine: Any, record: CallRecord, value: ValueId, shape: Any, dtype: torch.dtype,
+                device: torch.device, requires_grad: bool) -> RemoteTensor:  # fmt: skip
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        t._engine, t._owner, t._value, t._record, t._fetched = engine, record.owner, value, record, None
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"RemoteTensor(rank {self._owner}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def materialize(self) -> torch.Tensor:
+        if self._fetched is None:
+            self._fetched = self._engine.fetch(self)
+        return self._fetched
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        from torch.utils._pytree import tree_map
+
+        real = tree_map(lambda x: x.materialize() if isinstance(x, RemoteTensor) else x, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*real[0], **real[1])
+
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Below autograd; reached only by ops __torch_function__ did not see: run them on the data."""
+        from torch.utils._pytree import tree_map
+
+        real = tree_map(lambda x: x.materialize().detach() if isinstance(x, RemoteTensor) else x, (args, kwargs or {}))
+        return func(*real[0], **real[1])
+
+
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+    torch.Tensor.is_floating_point, torch.Tensor.element_size,
+}  # fmt: skip
 
 
 _local = threading.local()
@@ -83,10 +172,10 @@ _local = threading.local()
 
 @dataclass
 class Context:
-    """What the running task is doing: which task, whose backward bookkeeping, which microbatch."""
+    """What the running task is doing: which task, which microbatch."""
 
     task: Task
-    scope: Scope
+    microbatch: int
 
 
 def context() -> Context | None:

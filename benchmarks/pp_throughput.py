@@ -1,0 +1,241 @@
+"""pp = 2 throughput and idle fraction: smp_compat's schedules against torch's Schedule1F1B and ScheduleGPipe.
+
+One 2-rank gloo job holds both libraries (one smp.init, one DistributedModel, one PipelineStage per torch
+schedule) and runs every variant in alternating rounds, the order rotating from round to round, because
+timings on a shared machine drift by tens of percent within a minute. Figures of merit: the median over
+rounds of smp_compat's samples/s divided by Schedule1F1B's in the same round (target >= 0.9), and each
+rank's measured idle fraction against the ideal bubble (p-1)/(m+p-1) (target within 0.05).
+
+    python benchmarks/pp_throughput.py [--width 1024 --batch 512 --microbatches 8 --rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pp_workload import SMP_VARIANTS, TORCH_VARIANTS, SmpRunner, TorchRunner, make_batches  # noqa: E402
+from smp_compat import timeline  # noqa: E402
+from smp_compat.testing import run_ranks  # noqa: E402
+
+__all__ = ["Result", "main", "parse_args", "run"]
+
+RATIO_TARGET = 0.9
+IDLE_TOLERANCE = 0.05
+MAIN_VARIANT = "smp-interleaved"
+BASELINE = "torch-1F1B"
+
+
+@dataclass
+class Result:
+    """Per-variant figures (samples/s per round, ratios, idle fractions), written as JSON on request."""
+
+    args: dict[str, Any]
+    samples_per_s: dict[str, list[float]]
+    cpu_cores: dict[str, list[float]]  # per rank: process CPU time / wall time (cores busy), median over rounds
+    ratio_1f1b: dict[str, float]  # median over rounds of variant / Schedule1F1B
+    ratio_gpipe: dict[str, float]
+    idle: dict[str, list[float]]  # per rank, from smp_compat.timeline
+    breakdown: dict[str, list[dict[str, float]]]  # per rank: share of step time by span category
+    ideal_idle: float
+    first_step_losses: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def met(self) -> bool:
+        ratio_ok = self.ratio_1f1b[MAIN_VARIANT] >= RATIO_TARGET
+        idle_ok = all(abs(i - self.ideal_idle) <= IDLE_TOLERANCE for i in self.idle[MAIN_VARIANT])
+        return ratio_ok and idle_ok
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; the defaults are issue 3's workload."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
+    p.add_argument("--layers", type=int, default=8, help="Linear layers, split in half between the two ranks")
+    p.add_argument("--batch", type=int, default=512, help="samples per step")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (both libraries)")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds; each runs every variant once")
+    p.add_argument("--steps", type=int, default=3, help="training steps per variant per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each variant before the first round")
+    p.add_argument("--timeline-steps", type=int, default=4, help="steps per smp variant recorded for idle fraction")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the 2-rank job, seconds")
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    args = p.parse_args(argv)
+    if args.batch % args.microbatches:
+        p.error(f"--batch ({args.batch}) must be divisible by --microbatches ({args.microbatches})")
+    if args.microbatches < 2:
+        p.error(f"--microbatches must be at least 2 (Schedule1F1B needs one per stage), got {args.microbatches}")
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+    return args
+
+
+# ---------------------------------------------------------------------- inside each rank
+def _variants() -> list[str]:
+    return [*SMP_VARIANTS, *TORCH_VARIANTS]
+
+
+def _timed(runner: Any, variant: str, batches: list, steps: int) -> tuple[float, float]:
+    """Wall and process-CPU seconds of ``steps`` steps, both ranks lined up by barriers at either end."""
+    if isinstance(runner, SmpRunner):
+        runner.use(variant)
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        runner.step(*batches[i % len(batches)])
+    dist.barrier()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _idle_and_breakdown(smp_runner: SmpRunner, variant: str, batches: list, steps: int) -> tuple[float, dict]:
+    """Record the timeline for ``steps`` steps of one smp variant: idle fraction and time by category."""
+    smp_runner.use(variant)
+    smp_runner.step(*batches[0])  # a step under the new schedule before recording
+    recorder = timeline.enable(dist.get_rank())
+    for i in range(steps):
+        smp_runner.step(*batches[i % len(batches)])
+    timeline.disable()
+    total = sum(end - start for start, end in recorder.steps)
+    shares: dict[str, float] = {}
+    for span in recorder.spans:
+        if span.track == "compute":
+            shares[span.category] = shares.get(span.category, 0.0) + (span.end - span.start) / total
+    shares["untracked"] = 1.0 - sum(shares.values())
+    shares["step_ms"] = 1e3 * total / max(len(recorder.steps), 1)
+    return recorder.idle_fraction(), shares
+
+
+def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
+    """Build both libraries once, check they compute the same first step, then alternate rounds."""
+    smp_runner = SmpRunner.create(args.width, args.layers, args.microbatches)
+    runners: dict[str, Any] = {v: smp_runner for v in SMP_VARIANTS}
+    runners.update({v: TorchRunner.create(v, args.width, args.layers, args.batch, args.microbatches) for v in TORCH_VARIANTS})
+    batches = make_batches(args.width, args.batch)
+    smp_runner.step(*batches[0])  # partitions the model; same weights and batch as torch's first step
+    runners[BASELINE].step(*batches[0])
+    first = {"smp": smp_runner.losses, "torch": runners[BASELINE].losses}
+    variants = _variants()
+    for v in variants:
+        _timed(runners[v], v, batches, args.warmup)
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:  # rotate: every variant runs in every position
+            w, c = _timed(runners[v], v, batches, args.steps)
+            wall[v].append(w)
+            cpu[v].append(c)
+    idle, breakdown = {}, {}
+    for v in SMP_VARIANTS:
+        idle[v], breakdown[v] = _idle_and_breakdown(smp_runner, v, batches, args.timeline_steps)
+    return {"wall": wall, "cpu": cpu, "idle": idle, "breakdown": breakdown, "first": first}
+
+
+# ---------------------------------------------------------------------- in the parent
+def run(args: argparse.Namespace) -> Result:
+    """One 2-rank job; rank 0's wall times give throughput (both ranks wait at the same barriers)."""
+    per_rank = run_ranks(_rank_main, 2, args, timeout=args.timeout, threads_per_rank=args.threads)
+    variants = _variants()
+    wall = per_rank[0]["wall"]
+    rate = {v: [args.steps * args.batch / t for t in wall[v]] for v in variants}
+
+    def median_ratio(v: str, base: str) -> float:
+        return statistics.median(a / b for a, b in zip(rate[v], rate[base]))
+
+    cpu_cores = {
+        v: [statistics.median(c / w for c, w in zip(rank["cpu"][v], rank["wall"][v])) for rank in per_rank]
+        for v in variants
+    }
+    first = {"smp (rank 0)": per_rank[0]["first"]["smp"], "torch-1F1B (rank 1)": per_rank[1]["first"]["torch"]}
+    return Result(
+        args=vars(args),
+        samples_per_s=rate,
+        cpu_cores=cpu_cores,
+        ratio_1f1b={v: median_ratio(v, "torch-1F1B") for v in variants},
+        ratio_gpipe={v: median_ratio(v, "torch-GPipe") for v in variants},
+        idle={v: [rank["idle"][v] for rank in per_rank] for v in SMP_VARIANTS},
+        breakdown={v: [rank["breakdown"][v] for rank in per_rank] for v in SMP_VARIANTS},
+        ideal_idle=timeline.ideal_idle_fraction(2, args.microbatches),
+        first_step_losses=first,
+    )
+
+
+def _first_step_note(result: Result) -> str:
+    smp_losses, torch_losses = result.first_step_losses.values()
+    if len(smp_losses) != len(torch_losses) or not smp_losses:
+        return "first-step losses: not comparable"
+    diff = max(abs(a - b) for a, b in zip(smp_losses, torch_losses))
+    return f"first step from identical weights: largest per-microbatch loss difference smp vs torch = {diff:.1e}"
+
+
+def report(result: Result, console: Console) -> None:
+    """Throughput table, then idle fraction table (smp variants), with targets."""
+    a = result.args
+    table = Table(
+        title=f"pp=2 throughput: MLP width {a['width']} x {a['layers']} layers split {a['layers'] // 2}|"
+        f"{a['layers'] - a['layers'] // 2}, batch {a['batch']}, microbatches {a['microbatches']}, "
+        f"{a['rounds']} rounds x {a['steps']} steps, {a['threads']} thread(s)/rank, CPU gloo"
+    )
+    for col in ("variant", "samples/s", "/ 1F1B", "/ GPipe", "CPU r0", "CPU r1"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for v in _variants():
+        r0, r1 = result.cpu_cores[v]
+        table.add_row(
+            v, f"{statistics.median(result.samples_per_s[v]):,.0f}", f"{result.ratio_1f1b[v]:.3f}",
+            f"{result.ratio_gpipe[v]:.3f}", f"{r0:.3f}", f"{r1:.3f}",
+        )  # fmt: skip
+    ratio = result.ratio_1f1b[MAIN_VARIANT]
+    table.caption = (
+        f"Target: {MAIN_VARIANT} / Schedule1F1B >= {RATIO_TARGET} (median of per-round ratios): {ratio:.3f} "
+        f"{_verdict(ratio >= RATIO_TARGET)}. samples/s: median over rounds; / 1F1B, / GPipe: median of the per-round ratios to Schedule1F1B, ScheduleGPipe; CPU: cores busy per rank (process CPU time / wall time), all threads. {_first_step_note(result)}"
+    )
+    console.print(table)
+    idle = Table(title=f"Idle fraction of the compute thread (smp_compat.timeline), ideal (p-1)/(m+p-1) = "
+                       f"{result.ideal_idle:.3f}")  # fmt: skip
+    for col in ("variant", "rank", "idle", "- ideal", "forward", "backward", "untracked", "ms/step"):
+        idle.add_column(col, justify="left" if col == "variant" else "right")
+    for v in SMP_VARIANTS:
+        for rank, (frac, parts) in enumerate(zip(result.idle[v], result.breakdown[v])):
+            idle.add_row(
+                v, str(rank), f"{frac:.3f}", f"{frac - result.ideal_idle:+.3f}", f"{parts.get('forward', 0):.3f}",
+                f"{parts.get('backward', 0):.3f}", f"{parts['untracked']:.3f}", f"{parts['step_ms']:.1f}",
+            )  # fmt: skip
+    ok = all(abs(i - result.ideal_idle) <= IDLE_TOLERANCE for i in result.idle[MAIN_VARIANT])
+    idle.caption = (
+        f"Target: {MAIN_VARIANT} idle within {IDLE_TOLERANCE} of ideal on every rank {_verdict(ok)}. "
+        "forward/backward/untracked: shares of step time (untracked = task switching and the step's own work)."
+    )
+    console.print(idle)
+
+
+def _verdict(ok: bool) -> str:
+    return "[green](met)[/green]" if ok else "[red](missed)[/red]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print, optionally write JSON; 0 when the targets are met, 1 when missed."""
+    args = parse_args(argv)
+    result = run(args)
+    report(result, Console(width=max(Console().width, 140)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(asdict(result), handle, indent=2)
+    return 0 if result.met else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Pipeline traffic: results rank 0 only passes on stay remote, so bytes moved ~ bytes that must cross."""
+
+from __future__ import annotations
+
+from models import causal_mask, lm_loss, make_batches, make_model
+from smp_compat.testing import run_ranks
+
+MICROBATCHES, BATCH, SEQ, WIDTH = 4, 8, 8, 16
+
+
+def _bytes_per_step() -> list[int]:
+    import smp_compat as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
+              "default_partition": 0})  # fmt: skip
+    model = smp.DistributedModel(make_model())
+    for i, block in enumerate(model.module.blocks):  # blocks 2, 3 and ln_f on rank 1; the tied head on rank 0
+        smp.set_partition(block, 0 if i < 2 else 1)
+    smp.set_partition(model.module.ln_f, 1)
+    mask = causal_mask(SEQ)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x, attention_mask=mask), y)
+        model.backward(loss)
+        return loss
+
+    sent = []
+    for x, y in make_batches(3, BATCH):
+        before = model.pipeline_engine.bytes_sent if model.pipeline_engine else 0
+        train_step(model, x, y)
+        sent.append(model.pipeline_engine.bytes_sent - before)
+    return sent
+
+
+def test_bytes_per_microbatch_match_the_partition_boundary() -> None:
+    per_rank = run_ranks(_bytes_per_step, 2, timeout=60)
+    hidden = BATCH // MICROBATCHES * SEQ * WIDTH * 4
+    # per microbatch: hidden state to rank 1, ln_f output back, and one gradient each way; the mask once
+    must_cross = 4 * hidden + SEQ * SEQ * 4
+    losses_to_other_ranks = 4  # end of step: one fp32 loss per microbatch (per step, spread here)
+    for step in (1, 2):  # the first step learns which results are only passed on
+        moved = (per_rank[0][step] + per_rank[1][step]) / MICROBATCHES
+        assert moved <= 1.1 * must_cross + losses_to_other_ranks, (step, moved, must_cross)
