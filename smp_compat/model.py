@@ -166,6 +166,8 @@ class DistributedModel(nn.Module):
                 hook(self, state.optimizer)
 
     def _average_gradients(self) -> None:
+        if state.topology.dp_size == 1:
+            return
         params = [p for p in self.local_parameters() if p.requires_grad]
         grads.average_gradients(params, process_group("dp"), state.topology.dp_size, self.bucket_cap_mb)
 

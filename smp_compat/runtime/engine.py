@@ -230,6 +230,8 @@ class PipelineEngine:
         request = (self.rank, next(self._seq))
         self.transport.send(record.owner, "get", {"req": request, "mb": record.microbatch, "value": remote._value})
         reply = self._await(ctx, request, f"the value of {record.description}")
+        if "error" in reply.meta:
+            raise RemoteError(reply.meta["error"])
         (data,) = reply.tensors
         if not remote.requires_grad:
             return data
@@ -337,8 +339,7 @@ class PipelineEngine:
         elif kind == "bwd":
             self._spawn(message, _BACKWARD, self._serve_backward)
         elif kind == "get":
-            value = self._hosted[(message.src, meta["mb"])].values[meta["value"]]
-            self.transport.send(message.src, "got", {"req": meta["req"]}, [value.detach()])
+            self._serve_get(message)
         elif kind in ("bwd_ok", "bwd_err"):
             driver = self._requests.pop(meta["req"])
             self._request_owner.pop(meta["req"], None)
@@ -354,6 +355,16 @@ class PipelineEngine:
                 self.scheduler.wake(self.scheduler.root, message)
         elif kind == "transport_error":
             raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
+
+    def _serve_get(self, message: Message) -> None:
+        hosted = self._hosted.get((message.src, message.meta["mb"]))
+        value = hosted.values.get(message.meta["value"]) if hosted else None
+        if value is None:
+            error = (f"rank {self.rank} no longer holds a result of microbatch {message.meta['mb']}: a result that "
+                     "stayed remote can only be used inside its microbatch (or returned from the step function)")
+            self.transport.send(message.src, "got", {"req": message.meta["req"], "error": error})
+            return
+        self.transport.send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
 
     def _spawn(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
         mb = message.meta["mb"]
