@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os as _os
 
+from smp_compat import amp
 from smp_compat.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -86,7 +87,7 @@ __all__ = [
     "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",
     "broadcast", "send", "recv_from", "allgather", "gather", "barrier",
     "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
-    "save", "load",
+    "save", "load", "amp",
     "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
     "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
 ]  # fmt: skip
