@@ -8,6 +8,7 @@ from __future__ import annotations
 import os as _os
 
 from smp_compat import amp
+from smp_compat.checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from smp_compat.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -87,7 +88,7 @@ __all__ = [
     "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",
     "broadcast", "send", "recv_from", "allgather", "gather", "barrier",
     "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
-    "save", "load", "amp",
+    "save", "load", "amp", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
     "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
     "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
 ]  # fmt: skip

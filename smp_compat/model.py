@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from smp_compat import grads
+from smp_compat.checkpointing import apply_activation_checkpointing
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -137,6 +138,7 @@ class DistributedModel(nn.Module):
         else:
             self.module.to(state.device)
         self._partitioned = True
+        apply_activation_checkpointing(self)
         self._sync_replicas()
         self._apply_pending_state_dict()
         for hook in list(self._post_partition_hooks.values()):

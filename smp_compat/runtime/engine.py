@@ -21,6 +21,7 @@ from rich.console import Console
 from torch import nn
 
 from smp_compat import timeline
+from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.partitioning import PartitionPlan, auto_plan, manual_plan, trace_modules, validate_plan
 from smp_compat.runtime.placement import Placement
@@ -153,7 +154,7 @@ class PipelineEngine:
         lazy = site in self._lazy_sites
         meta = {
             "call": call_id, "target": target, "mb": ctx.microbatch, "grad": grad, "amp": amp_state(),
-            "skeleton": skeleton, "inputs": specs, "lazy": lazy,
+            "skeleton": skeleton, "inputs": specs, "lazy": lazy, "checkpoint": requested_checkpointing(),
         }  # fmt: skip
         self.transport.send(owner, "fwd", meta, data)
         reply = self._await(ctx, call_id, f"forward of {record.description}")
@@ -384,7 +385,7 @@ class PipelineEngine:
             inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
             args, kwargs = fill_tensors(meta["skeleton"], inputs)
             with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
-                result = self.run_target(meta["target"], args, kwargs)
+                result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
             skeleton, outputs = flatten_tensors(result)
         except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
             self._reply_error(message, "fwd_err", "call", description)
