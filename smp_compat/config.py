@@ -244,7 +244,6 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
     {
         "offload_activations",
         "activation_loading_horizon",
-        "shard_optimizer_state",
         "prescaled_batch",
         "skip_tracing",
         "fp16_params",

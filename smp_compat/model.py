@@ -73,6 +73,7 @@ class DistributedModel(nn.Module):
         self._step_calls = 0
         self._backward_ran = False
         self._pending_state_dict: tuple[dict[str, Any], bool] | None = None
+        self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
         state.model = self
 
@@ -140,6 +141,8 @@ class DistributedModel(nn.Module):
         self._partitioned = True
         apply_activation_checkpointing(self)
         self._sync_replicas()
+        for action in self._partition_actions:
+            action(self)
         self._apply_pending_state_dict()
         for hook in list(self._post_partition_hooks.values()):
             hook(self, state.optimizer)
@@ -174,6 +177,13 @@ class DistributedModel(nn.Module):
         grads.average_gradients(params, process_group("dp"), state.topology.dp_size, self.bucket_cap_mb)
 
     # ------------------------------------------------------------------ hooks
+    def after_partition(self, action: Callable[[DistributedModel], None]) -> None:
+        """Run ``action(model)`` once partitioned (now, if it is): library-internal, before user hooks."""
+        if self._partitioned:
+            action(self)
+        else:
+            self._partition_actions.append(action)
+
     def register_post_partition_hook(self, hook: Hook) -> RemovableHandle:
         """``hook(model, optimizer)`` runs once, after partitioning, before the first forward."""
         handle = RemovableHandle(self._post_partition_hooks)

@@ -10,6 +10,7 @@ import torch
 
 from smp_compat.errors import DistributedModelNotCreatedError, ParameterOwnershipError, SMPUnsupportedError
 from smp_compat.globalstate import state
+from smp_compat.sharding import OptimizerSharding
 
 __all__ = ["DistributedOptimizer"]
 
@@ -38,6 +39,8 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
             "static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored.", stacklevel=2
         )
     _patch(optimizer)
+    if state.cfg.shard_optimizer_state:
+        model.after_partition(OptimizerSharding(optimizer).apply)
     state.optimizer = optimizer
     return optimizer
 
