@@ -9,6 +9,7 @@ import os as _os
 
 from smp_compat import amp
 from smp_compat.checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing
+from smp_compat.creation import delay_param_initialization, model_creation
 from smp_compat.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -70,6 +71,7 @@ from smp_compat.ranks import (
     tp_rank,
     tp_size,
 )
+from smp_compat.checkpoints import resume_from_checkpoint, save_checkpoint
 from smp_compat.serialization import load, save
 from smp_compat.globalstate import init, is_initialized, reset, shutdown, state
 from smp_compat.stepping import is_tracing, step
@@ -88,7 +90,7 @@ __all__ = [
     "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",
     "broadcast", "send", "recv_from", "allgather", "gather", "barrier",
     "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
-    "save", "load", "amp", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
+    "save", "load", "save_checkpoint", "resume_from_checkpoint", "amp", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
     "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
     "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
 ]  # fmt: skip

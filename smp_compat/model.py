@@ -7,15 +7,17 @@ step call returns. At pp > 1 it hands partitioning and execution to the pipeline
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from smp_compat import grads
+from smp_compat import grads, state_dicts
 from smp_compat.checkpointing import apply_activation_checkpointing
+from smp_compat.creation import materialize_local
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -29,7 +31,6 @@ from smp_compat.stepping import active_call, in_step, is_tracing
 __all__ = ["DistributedModel"]
 
 Hook = Callable[[Any, Any], None]
-_PARTIAL_MARKERS = ("_smp_is_partial", "_smp_load_info")
 
 
 class DistributedModel(nn.Module):
@@ -72,7 +73,7 @@ class DistributedModel(nn.Module):
         self._steps_with_backward = 0
         self._step_calls = 0
         self._backward_ran = False
-        self._pending_state_dict: tuple[dict[str, Any], bool] | None = None
+        self._pending_state_dict: Any = None  # a load waiting for partitioning (state_dicts.py)
         self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
         state.model = self
@@ -86,6 +87,9 @@ class DistributedModel(nn.Module):
                 "inside a function decorated with @smp.step (put evaluation in its own step function and "
                 "call it under torch.no_grad())."
             )
+        if state.cfg.fp16 or state.cfg.bf16:
+            args, kwargs = _to_16bit((args, kwargs))
+            return _to_float32(self.module(*args, **kwargs))
         return self.module(*args, **kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None, **unsupported: Any) -> None:
@@ -119,6 +123,10 @@ class DistributedModel(nn.Module):
         call = active_call()
         if self.average_grads_across_microbatches and call is not None and call.num_microbatches > 1:
             grad_tensors = [g / call.num_microbatches for g in grad_tensors]
+        scale = getattr(state.optimizer, "loss_scale", None)
+        if scale is not None and state.cfg.fp16:  # SMP: the loss is cast to float and multiplied by the scale
+            tensors = [t.float() for t in tensors]
+            grad_tensors = [g.float() * scale for g in grad_tensors]
         return tensors, grad_tensors
 
     # ------------------------------------------------------------------ step life cycle
@@ -137,6 +145,7 @@ class DistributedModel(nn.Module):
 
             self.pipeline_engine = PipelineEngine.create(self, step_fn, microbatches)
         else:
+            materialize_local(list(self.module.modules()), state.device)
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
@@ -285,38 +294,41 @@ class DistributedModel(nn.Module):
         raise SMPUnsupportedError("DistributedModel.register_comm_hook() (DDP communication hooks)")
 
     # ------------------------------------------------------------------ state dicts
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The full model state under the user module's own parameter names."""
-        if self.pipeline_engine is not None:
-            raise SMPUnsupportedError("the full state_dict() of a pipeline-partitioned model (issue #4)")
-        kwargs.pop("gather_to_rank0", None)
-        cast_to_cpu = kwargs.pop("cast_to_cpu", True)
-        sd = self.module.state_dict(*args, **kwargs)
-        return OrderedDict((k, v.cpu() if cast_to_cpu else v) for k, v in sd.items())
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        cast_to_cpu: bool = True,
+        gather_to_rank0: bool = True,
+    ) -> dict[str, Any]:
+        """The full model under the user module's own names (plain PyTorch's keys and order).
 
-    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's part of the state, marked partial (SMP's ``_smp_is_partial``)."""
-        if self.pipeline_engine is not None:
-            raise SMPUnsupportedError("local_state_dict() of a pipeline-partitioned model (issue #4)")
-        sd = OrderedDict(self.module.state_dict(*args, **kwargs))
-        sd["_smp_is_partial"] = True
-        return sd
+        Collective over the pipeline group once partitioned: call it on every rank of the group.
+        With ``gather_to_rank0`` only pp_rank 0 gets the dict; the other pipeline ranks get ``{}``.
+        """
+        return state_dicts.model_state_dict(self, destination, prefix, keep_vars, cast_to_cpu, gather_to_rank0)
+
+    def local_state_dict(
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False, **_: Any
+    ) -> dict[str, Any]:
+        """This rank's entries, marked ``_smp_is_partial`` with ``_smp_load_info`` (degrees and partition)."""
+        return state_dicts.model_local_state_dict(self, destination, prefix, keep_vars)
 
     def load_state_dict(  # type: ignore[override]
-        self, state_dict: dict[str, Any], strict: bool = True, same_partition_load: bool = True, **_: Any
+        self,
+        state_dict: Mapping[str, Any],
+        strict: bool = True,
+        translate_function: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+        same_partition_load: bool = True,
+        **_: Any,
     ) -> Any:
-        """Load now if partitioned, else after partitioning (SMP defers it to the first step)."""
-        clean = OrderedDict((k, v) for k, v in state_dict.items() if k not in _PARTIAL_MARKERS)
-        if not self._partitioned:
-            self._pending_state_dict = (clean, strict)
-            return None
-        return self.module.load_state_dict(clean, strict=strict)
+        """Load a full, partial or plain PyTorch dict; before partitioning the copy waits for it (as in SMP)."""
+        return state_dicts.load_model_state(self, state_dict, strict, translate_function, same_partition_load)
 
     def _apply_pending_state_dict(self) -> None:
-        if self._pending_state_dict is not None:
-            sd, strict = self._pending_state_dict
-            self._pending_state_dict = None
-            self.load_state_dict(sd, strict=strict)
+        """After partitioning: queued resume, deferred model load, deferred optimizer loads."""
+        state_dicts.apply_pending_loads(self)
 
 
 def _check_model_args(module: Any, trace_device: str, backward_passes: Any, bucket_cap_mb: Any) -> None:
@@ -328,3 +340,18 @@ def _check_model_args(module: Any, trace_device: str, backward_passes: Any, buck
         raise SMPConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes!r}.")
     if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
         raise SMPConfigError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")
+
+
+def _sixteen_bit_dtype() -> torch.dtype:
+    return torch.float16 if state.cfg.fp16 else torch.bfloat16
+
+
+def _to_16bit(value: Any) -> Any:
+    """SMP's 16-bit module: floating inputs are cast to the model's 16-bit dtype..."""
+    dtype = _sixteen_bit_dtype()
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def _to_float32(value: Any) -> Any:
+    """...and floating outputs back to fp32, so losses are computed in fp32."""
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from smp_compat.errors import DistributedModelNotCreatedError, ParameterOwnershipError, SMPUnsupportedError
+from smp_compat import state_dicts
+from smp_compat.errors import CheckpointError, DistributedModelNotCreatedError, ParameterOwnershipError
+from smp_compat.fp16 import FP16Optimizer, LossScaler
 from smp_compat.globalstate import state
 from smp_compat.sharding import OptimizerSharding
 
@@ -32,15 +33,16 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"smp.DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     _check_ownership(optimizer, model)
-    if state.cfg.fp16 or state.cfg.bf16:
-        raise SMPUnsupportedError("fp16/bf16 optimizer wrapping with master weights (issue #6)")
-    if static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args:
+    if not state.cfg.fp16 and (static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args):
         warnings.warn(
             "static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored.", stacklevel=2
         )
     _patch(optimizer)
     if state.cfg.shard_optimizer_state:
         model.after_partition(OptimizerSharding(optimizer).apply)
+    if state.cfg.fp16 or state.cfg.bf16:
+        scaler = LossScaler.create(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) if state.cfg.fp16 else LossScaler()
+        optimizer = FP16Optimizer(optimizer, model, scaler)  # type: ignore[assignment]
     state.optimizer = optimizer
     return optimizer
 
@@ -57,18 +59,35 @@ def _check_ownership(optimizer: torch.optim.Optimizer, model: Any) -> None:
 
 
 def _patch(optimizer: torch.optim.Optimizer) -> None:
-    """Add SMP's state-dict methods; the full/partial forms are the same until pipeline checkpoints land."""
-
-    def local_state_dict() -> dict[str, Any]:
-        sd = OrderedDict(optimizer.state_dict())
-        sd["_smp_is_partial"] = True
-        return sd
-
+    """Add SMP's state-dict methods (full, local, deferred load); the logic lives in state_dicts.py."""
+    original_state_dict = optimizer.state_dict
     original_load = optimizer.load_state_dict
+    state_dicts.record_param_order(optimizer)
+
+    def state_dict(gather_to_rank0: bool = False, cast_to_cpu: bool = True) -> dict[str, Any]:
+        """Plain torch format over every parameter; collective over the pipeline group once partitioned."""
+        return state_dicts.optimizer_state_dict(optimizer, original_state_dict, gather_to_rank0, cast_to_cpu)
+
+    def local_state_dict(**_: Any) -> dict[str, Any]:
+        """This rank's parameters' state, marked ``_smp_is_partial``, with parameter names."""
+        return state_dicts.optimizer_local_state_dict(optimizer, original_state_dict)
 
     def load_state_dict(state_dict: dict[str, Any]) -> None:
-        clean = {k: v for k, v in state_dict.items() if k != "_smp_is_partial"}
-        original_load(clean)
+        """Full or partial dict; applied once the model is partitioned."""
+        state_dicts.load_optimizer_state(optimizer, state_dict, original_load)
 
+    def load_local_optimizer_state_dict(state_dict: dict[str, Any]) -> None:
+        """SMP >= 1.10: like load_state_dict, for partial dicts only."""
+        if not state_dicts.is_partial(state_dict):
+            raise CheckpointError(
+                "load_local_optimizer_state_dict() takes a partial dict (from optimizer.local_state_dict(), marked "
+                "_smp_is_partial); this one is full. Use optimizer.load_state_dict() for full dicts."
+            )
+        load_state_dict(state_dict)
+
+    optimizer.state_dict = state_dict  # type: ignore[method-assign]
     optimizer.local_state_dict = local_state_dict  # type: ignore[attr-defined]
+    optimizer.local_optimizer_state_dict = local_state_dict  # type: ignore[attr-defined]
     optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
+    optimizer.load_local_optimizer_state_dict = load_local_optimizer_state_dict  # type: ignore[attr-defined]
+    state_dicts.attach_queued_optimizer_load(optimizer)

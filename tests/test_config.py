@@ -425,12 +425,14 @@ def test_simple_with_all_active_stays_simple() -> None:
 
 
 def test_not_acted_on_lists_explicit_non_default_keys_sorted() -> None:
-    cfg = resolve({"fp16": True, "optimize": "memory", "contiguous": True, "sdp_gradient_clipping": 0.5, "ddp": True})
-    assert cfg.not_acted_on() == ["fp16", "optimize", "sdp_gradient_clipping"]
+    cfg = resolve({"skip_tracing": True, "optimize": "memory", "contiguous": True, "sdp_gradient_clipping": 0.5,
+                   "ddp": True, "fp16": True})  # fmt: skip
+    assert cfg.not_acted_on() == ["optimize", "sdp_gradient_clipping", "skip_tracing"]
 
 
 def test_not_acted_on_contents() -> None:
-    assert {"fp16", "bf16", "optimize", "_match_weights", "sdp_max_live_parameters"} <= NOT_ACTED_ON
+    assert {"optimize", "_match_weights", "sdp_max_live_parameters"} <= NOT_ACTED_ON
+    assert not NOT_ACTED_ON & {"fp16", "bf16", "shard_optimizer_state", "delayed_parameter_initialization"}
     assert NOT_ACTED_ON <= SMP_KEYS
     assert not NOT_ACTED_ON & {"pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "active_microbatches"}
 

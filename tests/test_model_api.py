@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import smp_compat as smp
-from smp_compat import grads
 from smp_compat.errors import (
     DistributedModelNotCreatedError,
     MultipleDistributedModelError,
@@ -218,8 +217,8 @@ def test_microbatch_grads_are_averaged_or_summed(average: bool) -> None:
 def test_eval_step_under_no_grad_returns_outputs_without_grads_or_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _wrapped({"microbatches": 2})
     calls: list[int] = []
-    real = grads.average_gradients
-    monkeypatch.setattr(grads, "average_gradients", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = model._average_gradients
+    monkeypatch.setattr(model, "_average_gradients", lambda: (calls.append(1), real())[1])
 
     @smp.step
     def eval_step(model: Any, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from torch import nn
 from smp_compat import timeline
 from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
 from smp_compat.errors import RemoteError, StepUsageError
-from smp_compat.partitioning import PartitionPlan, auto_plan, manual_plan, trace_modules, validate_plan
+from smp_compat.creation import is_delayed, materialize_local
+from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
     CallId,
@@ -74,6 +75,8 @@ class PipelineEngine:
         self.pp_members = topo.get_pp_group(self.rank)
         self.cfg = state.cfg
         self.placement = Placement(self.root, plan)
+        local = [m for n, m in zip(self.placement.names, self.placement.modules) if plan.rank_of(n) == self.pp_rank]
+        materialize_local(local, state.device)
         self.placement.release_non_local(self.pp_rank, state.device)
         self._install_dispatch()
         self.scheduler = Scheduler(self._handle, self.rank)
@@ -631,7 +634,10 @@ def _decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]
     plan_dict = None
     if state.rank == 0:
         root = model.module
-        if cfg.auto_partition:
+        if cfg.auto_partition and is_delayed(root):
+            log.info("parameters are not materialized yet (delayed initialization): partitioning without a trace")
+            plan = auto_plan(root, TraceResult(), cfg.pipeline_parallel_degree, cfg.memory_weight)
+        elif cfg.auto_partition:
             if not microbatches:
                 raise StepUsageError("automatic partitioning needs the step inputs on rank 0")
             args, kwargs = microbatches[0]

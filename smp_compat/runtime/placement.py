@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from smp_compat.creation import replace_in_place
 from smp_compat.partitioning import PartitionPlan
 
 __all__ = ["Placement"]
@@ -98,5 +99,7 @@ class Placement:
                             continue
                         if id(t) in local:
                             t.data = t.data.to(device)
+                        elif t.is_meta:  # never materialized (delayed initialization)
+                            replace_in_place(t, torch.empty(0, dtype=t.dtype, device=device))
                         else:
                             t.data = torch.empty(0, dtype=t.dtype, device=device)

@@ -1,0 +1,171 @@
+"""fp16/bf16 training as SMP's ``fp16``/``bf16`` keys did it: a 16-bit model, fp32 master weights.
+
+``smp.DistributedOptimizer`` returns ``FP16Optimizer`` when either key is on: the wrapped torch optimizer
+(``optimizer.optimizer``, for LR schedulers) steps fp32 copies of this rank's parameters; ``step()`` copies
+the 16-bit gradients in, unscales them, and skips the step on every pipeline stage if any stage
+overflowed. fp16 scales the loss in ``model.backward`` (static or dynamic, SMP's dynamic-scaler rules);
+bf16 does not scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp_compat.globalstate import process_group, state
+
+__all__ = ["LossScaler", "FP16Optimizer"]
+
+
+@dataclass
+class LossScaler:
+    """Static, or dynamic with SMP's defaults: halve on overflow, double after ``scale_window`` clean steps."""
+
+    scale: float = 1.0
+    dynamic: bool = False
+    scale_factor: float = 2.0
+    scale_window: int = 1000
+    min_scale: float = 1.0
+    delayed_shift: int = 1
+    consecutive_hysteresis: bool = False
+    iteration: int = 0
+    last_overflow: int = -1
+    hysteresis: int = 1
+
+    @classmethod
+    def create(cls, static_loss_scale: float, dynamic: bool, args: dict[str, Any] | None) -> LossScaler:
+        if not dynamic:
+            return cls(scale=float(static_loss_scale))
+        args = dict(args or {})
+        scaler = cls(scale=float(args.pop("init_scale", 2.0**32)), dynamic=True, **args)
+        scaler.hysteresis = scaler.delayed_shift
+        return scaler
+
+    def update(self, overflow: bool) -> None:
+        if self.dynamic and overflow:
+            if self.delayed_shift == 1 or self.hysteresis == 1:
+                self.scale = max(self.scale / self.scale_factor, self.min_scale)
+            else:
+                self.hysteresis -= 1
+            self.last_overflow = self.iteration
+        elif self.dynamic:
+            if self.consecutive_hysteresis:
+                self.hysteresis = self.delayed_shift
+            if (self.iteration - self.last_overflow) % self.scale_window == 0:
+                self.scale *= self.scale_factor
+        self.iteration += 1
+
+
+class FP16Optimizer:
+    """SMP's FP16_Optimizer: fp32 master weights of the local 16-bit parameters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Any, scaler: LossScaler) -> None:
+        self.optimizer = optimizer
+        self.model = model
+        self.loss_scaler = scaler
+        self.overflow = False
+        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self._grads_ready = False
+        model.after_partition(self._make_masters)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def _make_masters(self, model: Any) -> None:
+        """fp32 copies of the local parameters replace them in the wrapped optimizer (not yet stepped)."""
+        local = {id(p) for p in model.local_parameters()}
+        for group in self.optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                if id(p) in local:
+                    master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                    self._pairs.append((p, master))
+                    masters.append(master)
+            group["params"] = masters
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, master in self._pairs:
+            for t in (p, master):
+                if set_to_none:
+                    t.grad = None
+                elif t.grad is not None:
+                    t.grad.zero_()
+        self._grads_ready = False
+
+    def _prepare_master_grads(self) -> None:
+        """Copy the 16-bit gradients to the masters, unscaled, and agree on overflow with the other stages."""
+        if self._grads_ready:
+            return
+        inv_scale = 1.0 / self.loss_scaler.scale
+        found = torch.zeros((), dtype=torch.float32, device=state.device)
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            master.grad = p.grad.detach().float().mul_(inv_scale)
+            found += (~torch.isfinite(master.grad)).any().float()
+        group = _model_parallel_group()
+        if group is not None:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        self.overflow = bool(found.item())
+        self._grads_ready = True
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the master gradients by their global norm over all pipeline stages; -1 on overflow."""
+        self._prepare_master_grads()
+        if self.overflow:
+            return -1.0
+        grads = [m.grad for _, m in self._pairs if m.grad is not None]
+        total = _global_norm(grads, norm_type)
+        coefficient = max_norm / (total + 1e-6)
+        if coefficient < 1.0:
+            for g in grads:
+                g.mul_(coefficient)
+        return total
+
+    def step(self, closure: Any = None) -> Any:
+        self._prepare_master_grads()
+        self.loss_scaler.update(self.overflow)
+        self._grads_ready = False
+        if self.overflow:
+            return None
+        result = self.optimizer.step(closure)
+        with torch.no_grad():
+            for p, master in self._pairs:
+                p.copy_(master)
+        return result
+
+
+def _global_norm(grads: list[torch.Tensor], norm_type: float) -> float:
+    if math.isinf(norm_type):
+        local = max((g.abs().max() for g in grads), default=torch.zeros(())).float().to(state.device)
+        op = dist.ReduceOp.MAX
+    else:
+        local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=state.device)).float()
+        op = dist.ReduceOp.SUM
+    group = _model_parallel_group()
+    if group is not None:
+        dist.all_reduce(local, op=op, group=group)
+    return float(local.item() if math.isinf(norm_type) else local.item() ** (1.0 / norm_type))
+
+
+def _model_parallel_group() -> Any:
+    if not state.initialized or state.topology.mp_size == 1:
+        return None
+    return process_group("mp")
