@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +34,7 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
         return Slot(len(tensors) - 1)
     kind = container_kind(type(value))
     if kind is None:
-        return value
+        return _map_dataclass(value, lambda v: _strip(v, tensors)) if _is_dataclass(value) else value
     if kind == MAPPING:
         return rebuild_mapping(value, [(k, _strip(v, tensors)) for k, v in value.items()])
     if kind == SET:
@@ -45,9 +48,21 @@ def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return tensors[skeleton.index]
     kind = container_kind(type(skeleton))
     if kind is None:
-        return skeleton
+        return _map_dataclass(skeleton, lambda v: fill_tensors(v, tensors)) if _is_dataclass(skeleton) else skeleton
     if kind == MAPPING:
         return rebuild_mapping(skeleton, [(k, fill_tensors(v, tensors)) for k, v in skeleton.items()])
     if kind == SET:
         return rebuild_set(skeleton, [fill_tensors(v, tensors) for v in skeleton])
     return rebuild_sequence(skeleton, kind, [fill_tensors(v, tensors) for v in skeleton])
+
+
+def _is_dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _map_dataclass(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """A shallow copy of a dataclass instance with ``fn`` applied to each field (frozen ones too)."""
+    new = copy.copy(value)
+    for f in dataclasses.fields(value):
+        object.__setattr__(new, f.name, fn(getattr(value, f.name)))
+    return new
