@@ -118,7 +118,19 @@ def _wrap_local_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
 def _run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    with _offloading():
+        return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _offloading() -> contextlib.AbstractContextManager[Any]:
+    """``offload_activations`` on CUDA: what a checkpointed region keeps goes to pinned host memory.
+
+    torch brings each tensor back when backward needs it (``activation_loading_horizon``'s prefetch is not
+    implemented; the key is accepted).
+    """
+    if state.initialized and state.cfg.offload_activations and state.device.type == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return contextlib.nullcontext()
 
 
 def _groups(seq: nn.Sequential, strategy: str) -> list[tuple[int, int]]:

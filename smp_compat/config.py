@@ -242,7 +242,6 @@ _INTERNAL_KEYS = frozenset(
 
 NOT_ACTED_ON: frozenset[str] = frozenset(
     {
-        "offload_activations",
         "activation_loading_horizon",
         "prescaled_batch",
         "skip_tracing",

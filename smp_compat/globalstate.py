@@ -180,6 +180,8 @@ def _create_axis_groups(topology: Topology, axis: str, rank: int) -> Any:
 
 
 def _warn_not_acted_on(cfg: SMPConfig) -> None:
+    if cfg.offload_activations and state.device.type != "cuda":
+        log.warning("offload_activations moves checkpointed activations to host memory on CUDA; on CPU it does nothing.")
     keys = cfg.not_acted_on()
     if keys:
         warnings.warn(

@@ -117,3 +117,12 @@ def test_set_activation_checkpointing_needs_the_model_first() -> None:
         smp.set_activation_checkpointing(model.module, strategy="everything")
     with pytest.raises(ValueError, match="only applies to nn.Sequential"):
         smp.set_activation_checkpointing(model.module[0], strategy="group_2")
+
+
+def test_offload_activations_on_cpu_is_accepted_with_a_notice(caplog: pytest.LogCaptureFixture) -> None:
+    import smp_compat as smp
+
+    with caplog.at_level("WARNING", logger="smp_compat"):
+        smp.init({"offload_activations": True, "microbatches": 2})
+    assert "does nothing" in caplog.text and smp.state.cfg.offload_activations
+    assert "offload_activations" not in smp.state.cfg.not_acted_on()
