@@ -46,6 +46,7 @@ def dp_mean(value: float) -> float:
 
 
 def main() -> None:
+    """train_pipeline.py's loop, with each replica on its shard and metrics averaged over the DP group."""
     args = parse_args(__doc__.splitlines()[0])
     torch.set_num_threads(1)
     init_smp(args.partition)

@@ -131,11 +131,13 @@ def script_config(partition: str) -> dict[str, Any]:
 
 
 def init_smp(partition: str) -> None:
+    """``smp.init`` with the script's dict; the launcher's parameters win key by key, as on SageMaker."""
     if not smp.is_initialized():  # under mpirun with SM_HP_MP_PARAMETERS, importing smp initialized it
         smp.init(script_config(partition))
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, a mean over tokens (so microbatch averaging gives the global-batch loss)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
@@ -162,7 +164,8 @@ def _unit(name: str) -> str:
 
 def partition_plan(model: smp.DistributedModel) -> dict[str, int]:
     """{module: pp_rank} from every stage's ``local_named_modules()`` (after the first step)."""
-    mine = sorted({_unit(n) for n, m in model.local_named_modules() if n and next(m.parameters(False), None) is not None})
+    owners = [n for n, m in model.local_named_modules() if n and next(m.parameters(recurse=False), None) is not None]
+    mine = sorted({_unit(n) for n in owners})
     plan: dict[str, int] = {}
     for pp_rank, units in enumerate(smp.allgather(mine, smp.PP_GROUP)):
         plan.update({unit: pp_rank for unit in units})
@@ -179,12 +182,14 @@ def gather_parameters(model: smp.DistributedModel) -> dict[str, torch.Tensor]:
 
 
 def print_plan(plan: dict[str, int], how: str) -> None:
+    """One line per pipeline stage, listing the modules it holds."""
     print(f"partition plan ({how}):", flush=True)
     for pp_rank in sorted(set(plan.values())):
         print(f"  pp_rank {pp_rank}: {', '.join(u for u, r in plan.items() if r == pp_rank)}", flush=True)
 
 
 def parse_args(description: str) -> argparse.Namespace:
+    """Options shared with train_hybrid.py."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
@@ -196,6 +201,7 @@ def parse_args(description: str) -> argparse.Namespace:
 
 
 def main() -> None:
+    """Train, print the plan and the losses on rank 0, evaluate in eval mode, optionally save for the tests."""
     args = parse_args(__doc__.splitlines()[0])
     torch.set_num_threads(1)
     init_smp(args.partition)

@@ -10,16 +10,20 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 from typing import Any
 
 from smp_compat._compat import default_store
 
-__all__ = ["start_watch", "stop_watch", "publish", "publish_exception", "POLL_SECONDS"]
+__all__ = [
+    "start_watch", "stop_watch", "publish", "publish_exception", "peer_failure", "stop_because", "POLL_SECONDS",
+]  # fmt: skip
 
 _FAILURE_KEY = "smp_compat/failure"
 POLL_SECONDS = 0.25
+_GRACE_SECONDS = 1.0
 _EXIT_CODE = 17
 
 
@@ -80,8 +84,12 @@ def publish_exception(exc: BaseException) -> None:
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    """An uncaught error: tell the others, print it, and exit now, so launchers report this rank first."""
     publish_exception(exc)
     (_watch.previous_hook or sys.__excepthook__)(kind, exc, tb)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _poll() -> None:
@@ -95,6 +103,31 @@ def _poll() -> None:
             return
         if not message or message.startswith(f"rank {_watch.rank}:"):
             continue
-        sys.stderr.write(f"smp_compat: stopping rank {_watch.rank} because {message}\n")
-        sys.stderr.flush()
-        os._exit(_EXIT_CODE)
+        time.sleep(_GRACE_SECONDS)  # let the failed rank exit first: launchers report the first exit as the cause
+        stop_because(message)
+
+
+def peer_failure(wait: float) -> str | None:
+    """Another rank's published failure, waiting up to ``wait`` s for it (a lost connection often means one)."""
+    store = _watch.store
+    deadline = time.monotonic() + wait
+    while store is not None:
+        try:
+            if store.check([_FAILURE_KEY]):
+                message = store.get(_FAILURE_KEY).decode(errors="replace")
+                if message and not message.startswith(f"rank {_watch.rank}:"):
+                    return message
+        except Exception:  # noqa: BLE001 - store gone with the rank that hosted it
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_SECONDS / 5)
+    return None
+
+
+def stop_because(message: str) -> None:
+    """End this rank with one line naming the rank that failed (exit code 17)."""
+    first_line = message.splitlines()[0]
+    sys.stderr.write(f"smp_compat: stopping rank {_watch.rank} because {first_line}\n")
+    sys.stderr.flush()
+    os._exit(_EXIT_CODE)

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from smp_compat import timeline
+from smp_compat import failure, timeline
 from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.creation import is_delayed, materialize_local
@@ -162,7 +162,7 @@ class PipelineEngine:
         self.transport.send(owner, "fwd", meta, data)
         reply = self._await(ctx, call_id, f"forward of {record.description}")
         if reply.kind == "fwd_err":
-            raise RemoteError(f"{record.description} failed on rank {owner}:\n{reply.meta['error']}")
+            raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}")
         calls.records[call_id] = record
         outputs = self._decode_outputs(calls, record, reply, grad)
         return fill_tensors(reply.meta["skeleton"], outputs)
@@ -358,6 +358,9 @@ class PipelineEngine:
             if self.scheduler.root is not None:
                 self.scheduler.wake(self.scheduler.root, message)
         elif kind == "transport_error":
+            cause = failure.peer_failure(wait=2.0)  # a lost connection usually means a rank failed
+            if cause is not None:
+                failure.stop_because(cause)
             raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
 
     def _serve_get(self, message: Message) -> None:
@@ -394,6 +397,7 @@ class PipelineEngine:
             self._reply_error(message, "fwd_err", "call", description)
             return
         specs = []
+        hosted.descriptions[call_id] = self._describe(meta["target"])
         for j, o in enumerate(outputs):
             hosted.values[(call_id, "out", j)] = o
             specs.append((tuple(o.shape), o.dtype, meta["grad"] and o.requires_grad))
@@ -423,14 +427,14 @@ class PipelineEngine:
             roots = [hosted.values[v] for v in meta["values"]]
             self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
         except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            self._reply_error(message, "bwd_err", "req", f"backward of microbatch {meta['mb']}")
+            modules = ", ".join(sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
+            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)")
             return
         leaves, grads = hosted.collect_leaf_grads()
         self.transport.send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
 
     def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
-        text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"
-        log.error("smp_compat: %s", text)
+        text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
         self.transport.send(message.src, kind, {key: message.meta[key], "error": text})
 
     # ------------------------------------------------------------------ steps

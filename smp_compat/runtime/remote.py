@@ -75,6 +75,7 @@ class Hosted:
 
     values: dict[ValueId, torch.Tensor] = field(default_factory=dict)
     leaves: list[tuple[ValueId, torch.Tensor]] = field(default_factory=list)
+    descriptions: dict[CallId, str] = field(default_factory=dict)  # module names, for error messages
 
     def collect_leaf_grads(self) -> tuple[list[ValueId], list[torch.Tensor]]:
         """Gradients the leaves gathered since the last collection (then cleared: report each once)."""

@@ -185,11 +185,12 @@ class Scheduler:
         try:
             message = self.inbox.get(timeout=_POLL_S)
         except queue.Empty:
-            self._record_idle(start)
-            self._check_idle(idle_since)
-            return
+            message = None
         self._record_idle(start)
-        self.handle(message)
+        if message is None:
+            self._check_idle(idle_since)
+        else:
+            self.handle(message)
 
     @staticmethod
     def _record_idle(start: float) -> None:

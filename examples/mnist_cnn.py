@@ -1,0 +1,206 @@
+"""An MNIST-style CNN trained with SMP v1, shaped like AWS's own SMP test script, on synthetic data.
+
+The script imports ``smdistributed.modelparallel.torch`` and runs unchanged under ``smp-compat run``; with
+plain ``python`` it falls back to ``import smp_compat as smp`` (a world of one, one stage). CPU is fine:
+
+    smp-compat run --nproc-per-node 2 examples/mnist_cnn.py
+    python examples/mnist_cnn.py
+
+Two processes give two pipeline stages (the config below is the one AWS's notebook used: ``partitions``
+2, 4 microbatches, ``spread`` placement, ddp); four processes add data parallelism (pp 2 x dp 2). As in
+AWS's script: a ``GroupedNet`` of two sub-networks left to the automatic partitioner, one ``@smp.step`` for
+training and one for evaluation, the data sharded by ``smp.dp_rank()``, and the evaluation sums taken over
+the microbatches. AWS's version also ran the forward pass under ``torch.cuda.amp.autocast`` with
+``smp.amp.GradScaler`` on GPUs; this one stays in fp32 so that it trains exactly like plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import smdistributed.modelparallel.torch as smp
+except ImportError:  # not launched through `smp-compat run`: use smp_compat directly
+    import smp_compat as smp
+
+__all__ = [
+    "DEFAULT_CONFIG", "GroupedNet", "Net1", "Net2", "make_data", "make_model", "main", "parse_args", "script_config",
+    "test_step", "train_step",
+]  # fmt: skip
+
+DEFAULT_CONFIG = {
+    "partitions": 2,
+    "microbatches": 4,
+    "placement_strategy": "spread",
+    "pipeline": "interleaved",
+    "optimize": "speed",
+    "ddp": True,
+}
+"""The SMP parameters of AWS's MNIST notebook; a launcher config (SM_HP_MP_PARAMETERS) overrides them."""
+
+
+def script_config() -> dict[str, object]:
+    """DEFAULT_CONFIG, with one stage when started without a launcher (``python examples/mnist_cnn.py``)."""
+    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+    return {**DEFAULT_CONFIG, "partitions": 2 if world >= 2 else 1}
+
+
+class Net1(nn.Module):
+    """The convolutional half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, 1)
+        self.conv2 = nn.Conv2d(8, 16, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        return torch.flatten(F.max_pool2d(x, 2), 1)
+
+
+class Net2(nn.Module):
+    """The fully connected half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16 * 12 * 12, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.fc2(F.relu(self.fc1(x))), dim=1)
+
+
+class GroupedNet(nn.Module):
+    """Both halves; the automatic partitioner decides which stage runs what."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = Net1()
+        self.net2 = Net2()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.net1(x))
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """The CNN with fixed initial weights (the same on every rank and in a plain-PyTorch reference)."""
+    torch.manual_seed(seed)
+    return GroupedNet()
+
+
+def make_data(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic 28x28 "digits": one fixed random template per class plus noise (learnable in a few steps)."""
+    templates = torch.randn(10, 1, 28, 28, generator=torch.Generator().manual_seed(1234))
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (count,), generator=generator)
+    return templates[labels] + 2.0 * torch.randn(count, 1, 28, 28, generator=generator), labels
+
+
+@smp.step
+def train_step(model: nn.Module, data: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs once per microbatch: forward, loss, ``model.backward``; the outputs come back as StepOutputs."""
+    output = model(data)
+    loss = F.nll_loss(output, target, reduction="mean")
+    model.backward(loss)
+    return output, loss
+
+
+@smp.step
+def test_step(model: nn.Module, data: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss and correct predictions of one microbatch."""
+    output = model(data)
+    loss = F.nll_loss(output, target, reduction="sum")
+    correct = output.argmax(dim=1).eq(target).sum()
+    return loss, correct
+
+
+def _shard(images: torch.Tensor, labels: torch.Tensor, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's part of every global batch (what AWS's SplitDataset did by dp_rank)."""
+    per_rank = batch // smp.dp_size()
+    start = smp.dp_rank() * per_rank
+    batches = []
+    for offset in range(0, len(images) - batch + 1, batch):
+        sl = slice(offset + start, offset + start + per_rank)
+        batches.append((images[sl], labels[sl]))
+    return batches
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, epoch: int) -> list[float]:
+    model.train()
+    losses = []
+    for batch_idx, (data, target) in enumerate(batches):
+        optimizer.zero_grad()
+        _, loss_mb = train_step(model, data, target)
+        # Average over microbatches, then over data-parallel replicas (each saw a different shard).
+        loss = sum(smp.allgather(loss_mb.reduce_mean().item(), smp.DP_GROUP)) / smp.dp_size()
+        optimizer.step()
+        losses.append(loss)
+        if smp.rank() == 0:
+            print(f"epoch {epoch} batch {batch_idx}: loss {loss:.6f}", flush=True)
+    return losses
+
+
+def test(model: nn.Module, batches: list) -> tuple[float, float]:
+    model.eval()
+    test_loss, correct, seen = 0.0, 0, 0
+    with torch.no_grad():
+        for data, target in batches:
+            loss_batch, correct_batch = test_step(model, data, target)
+            test_loss += sum(loss_batch).item()
+            correct += int(sum(correct_batch))
+            seen += len(target)
+    totals = smp.allgather((test_loss, correct, seen), smp.DP_GROUP)
+    test_loss, correct, seen = (sum(t[i] for t in totals) for i in range(3))
+    if smp.mp_rank() == 0 and smp.dp_rank() == 0:
+        print(f"test: average loss {test_loss / seen:.4f}, accuracy {correct}/{seen}", flush=True)
+    return test_loss / seen, correct / seen
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch per step")
+    parser.add_argument("--train-samples", type=int, default=256)
+    parser.add_argument("--test-samples", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
+    parser.add_argument("--out", help="rank 0 saves losses, test results and final parameters here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if not smp.is_initialized():  # under mpirun with SM_HP_MP_PARAMETERS, importing smp already initialized
+        smp.init(script_config())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(smp.local_rank())
+
+    train_batches = _shard(*make_data(args.train_samples, seed=1), args.batch_size)
+    test_batches = _shard(*make_data(args.test_samples, seed=2), args.batch_size)
+    model = make_model()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    # SMP moves each partition to its device: no model.to(device) here.
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(optimizer)
+
+    losses: list[float] = []
+    for epoch in range(1, args.epochs + 1):
+        losses += train(model, optimizer, train_batches, epoch)
+        test_loss, accuracy = test(model, test_batches)
+
+    if args.out:
+        params = model.state_dict()  # a collective over the pipeline stages: every rank takes part
+        if smp.rank() == 0:
+            torch.save({"losses": losses, "test_loss": test_loss, "accuracy": accuracy, "params": params,
+                        "pp_size": smp.pp_size(), "dp_size": smp.dp_size()}, args.out)  # fmt: skip
+    smp.barrier()
+
+
+if __name__ == "__main__":
+    main()
