@@ -16,6 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from smp_compat import cli_check, cli_checkpoint, cli_plan, timeline_picture
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, resolve_config
 from smp_compat.errors import SMPConfigError, SMPError
 from smp_compat.shim import pythonpath_with_shim
@@ -433,6 +434,13 @@ COMMANDS: dict[str, Command] = {
     "run": Command("launch an SMP script under torchrun with the shim and config (--dry-run: show the layout)",
                    run_command),
     "env": Command("print export lines for launching by hand (srun, mpirun, python)", env_command),
+    "check": Command("list the SMP APIs and config keys scripts use, with their support status",
+                     cli_check.check_command),
+    "plan": Command("show the partition a model would get, in one process", cli_plan.plan_command),
+    "timeline": Command("draw a recorded pipeline step per rank (terminal, SVG, HTML)",
+                        timeline_picture.timeline_command),
+    "checkpoint": Command("inspect, merge or split SMP / smp_compat checkpoints (info, merge, split)",
+                          cli_checkpoint.checkpoint_command),
 }  # fmt: skip
 """Sub-commands by name; later ones (check, plan, checkpoint) register here."""
 

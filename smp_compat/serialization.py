@@ -97,36 +97,53 @@ def load(
     partial: bool = True,
     back_compat: bool = False,
     weights_only: bool = True,
+    v3: bool | None = None,
     **pickle_load_args: Any,
 ) -> Any:
-    """Load a file written by ``smp.save`` (ours or SMP's); partial loads check the part set first."""
+    """Load a file written by ``smp.save`` (ours or SMP's); partial loads check the part set first.
+
+    ``v3`` (files ``{f}_{pp}_{tp}_{rdp}.pt``, saved with ``v3=True``) is detected when not given.
+    """
     state.require_init("smp.load")
     if pickle_module is not None:
         pickle_load_args["pickle_module"] = pickle_module
     if not partial:
         return safe_load(f, map_location, weights_only, **pickle_load_args)
-    _check_parts(f, back_compat)
-    return safe_load(partial_path(f, back_compat=back_compat), map_location, weights_only, **pickle_load_args)
+    if v3 is None:
+        v3 = not back_compat and _saved_as_v3(f)
+    _check_parts(f, back_compat, v3)
+    path = partial_path(f, v3=v3, back_compat=back_compat)
+    return safe_load(path, map_location, weights_only, **pickle_load_args)
 
 
-def _check_parts(f: str | os.PathLike[str], back_compat: bool) -> None:
-    """The part files on disk must be exactly one per (pp, tp) of the current layout."""
+def _saved_as_v3(f: str | os.PathLike[str]) -> bool:
+    """Only this rank's v3 part exists (``{f}_{pp}_{tp}_{rdp}.pt``), not the plain one."""
+    return not Path(partial_path(f)).exists() and Path(partial_path(f, v3=True)).exists()
+
+
+def _check_parts(f: str | os.PathLike[str], back_compat: bool, v3: bool = False) -> None:
+    """The part files on disk must be exactly one per (pp, tp) of the current layout (and rdp with v3)."""
     base = Path(f)
     topo = state.topology
+    name = re.escape(base.name)
     if back_compat and topo.tp_size == 1:
-        pattern = re.compile(re.escape(base.name) + r"_(\d+)$")
+        pattern = re.compile(name + r"_(\d+)$")
         expected = {(i,) for i in range(topo.pp_size)}
+    elif v3:
+        pattern = re.compile(name + r"_(\d+)_(\d+)_(\d+)\.pt$")
+        expected = {(p, t, r) for p in range(topo.pp_size) for t in range(topo.tp_size) for r in range(topo.rdp_size)}
     else:
-        tail = r"(?:_\d+)?\.pt$" if not back_compat else r"$"
-        pattern = re.compile(re.escape(base.name) + r"_(\d+)_(\d+)" + tail)
+        pattern = re.compile(name + r"_(\d+)_(\d+)" + (r"$" if back_compat else r"\.pt$"))
         expected = {(p, t) for p in range(topo.pp_size) for t in range(topo.tp_size)}
     directory = base.parent if str(base.parent) else Path(".")
     entries = directory.iterdir() if directory.is_dir() else ()
     found = {tuple(int(g) for g in m.groups()) for p in entries if (m := pattern.match(p.name))}
     if found != expected:
+        degrees = f"pipeline_parallel_degree={topo.pp_size}, tensor_parallel_degree={topo.tp_size}"
+        if v3:
+            degrees += f", {topo.rdp_size} reduced-data-parallel replicas (v3 names)"
         raise CheckpointError(
             f"smp.load({str(f)!r}, partial=True) found parts {sorted(found) or 'none'} but this job's "
-            f"layout (pipeline_parallel_degree={topo.pp_size}, tensor_parallel_degree={topo.tp_size}) "
-            f"needs {sorted(expected)}. Load with the degrees the file was saved with, or merge it with "
-            "`smp-compat checkpoint merge` first."
+            f"layout ({degrees}) needs {sorted(expected)}. Load with the degrees the file was saved with, "
+            "or merge it with `smp-compat checkpoint merge` first."
         )

@@ -126,3 +126,45 @@ def test_offload_activations_on_cpu_is_accepted_with_a_notice(caplog: pytest.Log
         smp.init({"offload_activations": True, "microbatches": 2})
     assert "does nothing" in caplog.text and smp.state.cfg.offload_activations
     assert "offload_activations" not in smp.state.cfg.not_acted_on()
+
+
+def _forward_calls(checkpointed: bool) -> dict[str, int]:
+    """How often each block's forward runs in one training step (twice per microbatch when recomputed)."""
+    import smp_compat as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    calls: dict[str, int] = {}
+
+    class Counted(nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name, self.lin = name, nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls[self.name] = calls.get(self.name, 0) + 1
+            return torch.tanh(self.lin(x))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(Counted("a"), Counted("b"), Counted("c"), Counted("d"))
+    model = smp.DistributedModel(net)
+    smp.set_partition(net[2], 1)
+    smp.set_partition(net[3], 1)
+    if checkpointed:
+        for block in net:
+            smp.set_activation_checkpointing(block)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    train_step(model, torch.randn(4, 4))
+    return calls
+
+
+def test_checkpointed_blocks_are_recomputed_on_their_own_rank() -> None:
+    plain = run_ranks(_forward_calls, 2, False, timeout=60)
+    recomputed = run_ranks(_forward_calls, 2, True, timeout=60)
+    assert plain == [{"a": 2, "b": 2}, {"c": 2, "d": 2}]
+    assert recomputed == [{"a": 4, "b": 4}, {"c": 4, "d": 4}]

@@ -603,7 +603,7 @@ def _dispatching_forward(engine: PipelineEngine, index: int, owner: int, local: 
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if owner == engine.pp_rank or is_tracing():
-            return local(*args, **kwargs)
+            return self._smp_local_forward(*args, **kwargs)  # looked up now: checkpointing may wrap it
         if not in_step():
             raise StepUsageError(
                 f"module {engine.placement.names[index]!r} lives on pipeline rank {owner}; with "
