@@ -9,6 +9,7 @@ bf16 does not scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,36 @@ class FP16Optimizer:
                     self._pairs.append((p, master))
                     masters.append(master)
             group["params"] = masters
+
+    def master_params(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(16-bit model parameter, fp32 master) pairs of this rank."""
+        return list(self._pairs)
+
+    def local_fp16_state_dict(self) -> dict[str, Any]:
+        """Loss-scaler state and the fp32 masters by parameter name (SMP's ``fp16_states`` file)."""
+        names = {id(p): n for n, p in self.model.local_named_parameters()}
+        return {
+            "loss_scaler": dataclasses.asdict(self.loss_scaler),
+            "overflow": self.overflow,
+            "fp32_master_params": {names[id(p)]: m.detach().clone() for p, m in self._pairs},
+        }
+
+    def load_local_fp16_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore scaler and masters exactly (16-bit weights alone would lose the masters' low bits)."""
+        self.model.after_partition(lambda model: self._load_fp16(state_dict))
+
+    def _load_fp16(self, state_dict: dict[str, Any]) -> None:
+        for key, value in state_dict["loss_scaler"].items():
+            setattr(self.loss_scaler, key, value)
+        self.overflow = bool(state_dict["overflow"])
+        names = {id(p): n for n, p in self.model.local_named_parameters()}
+        masters = state_dict["fp32_master_params"]
+        with torch.no_grad():
+            for p, master in self._pairs:
+                saved = masters.get(names[id(p)])
+                if saved is not None:
+                    master.copy_(saved)
+                    p.copy_(saved)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, master in self._pairs:

@@ -149,10 +149,11 @@ class DistributedModel(nn.Module):
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
+        state_dicts.apply_pending_model_loads(self)  # before fp16 masters are copied from the weights
         self._sync_replicas()
         for action in self._partition_actions:
             action(self)
-        self._apply_pending_state_dict()
+        state_dicts.apply_pending_optimizer_loads()  # after masters and sharding exist
         for hook in list(self._post_partition_hooks.values()):
             hook(self, state.optimizer)
 
@@ -325,10 +326,6 @@ class DistributedModel(nn.Module):
     ) -> Any:
         """Load a full, partial or plain PyTorch dict; before partitioning the copy waits for it (as in SMP)."""
         return state_dicts.load_model_state(self, state_dict, strict, translate_function, same_partition_load)
-
-    def _apply_pending_state_dict(self) -> None:
-        """After partitioning: queued resume, deferred model load, deferred optimizer loads."""
-        state_dicts.apply_pending_loads(self)
 
 
 def _check_model_args(module: Any, trace_device: str, backward_passes: Any, bucket_cap_mb: Any) -> None:

@@ -45,7 +45,8 @@ __all__ = [
     "load_optimizer_state",
     "queue_resume",
     "saved_partition",
-    "apply_pending_loads",
+    "apply_pending_model_loads",
+    "apply_pending_optimizer_loads",
     "attach_queued_optimizer_load",
 ]
 
@@ -473,7 +474,8 @@ def _aliases(optimizer: torch.optim.Optimizer) -> dict[int, nn.Parameter]:
     wrapper = state.optimizer
     if wrapper is None or getattr(wrapper, "optimizer", None) is not optimizer:
         return {}
-    return {id(master): p for p, master in getattr(wrapper, "_pairs", ())}
+    pairs = wrapper.master_params() if hasattr(wrapper, "master_params") else []
+    return {id(master): p for p, master in pairs}
 
 
 def _current_params(optimizer: torch.optim.Optimizer) -> tuple[list[str], set[int]]:
@@ -703,14 +705,18 @@ def attach_queued_optimizer_load(optimizer: torch.optim.Optimizer) -> None:
         optimizer.load_state_dict(queued)
 
 
-def apply_pending_loads(model: Any) -> None:
-    """After partitioning: a queued resume, this model's deferred load, then deferred optimizer loads."""
+def apply_pending_model_loads(model: Any) -> None:
+    """After partitioning, before fp16 masters are copied from the weights: a queued resume, a deferred load."""
     queued = _take_queued("model")
     if queued is not None:
         model.load_state_dict(**queued)
     pending, model._pending_state_dict = model._pending_state_dict, None
     if pending is not None:
         _apply_model_load(model, pending)
+
+
+def apply_pending_optimizer_loads() -> None:
+    """After the optimizer's own partition-time setup (fp16 masters, sharding): deferred optimizer loads."""
     entries = [(launch, ref) for launch, ref in _PENDING_OPTIMIZERS if launch is state.launch]
     _PENDING_OPTIMIZERS.clear()
     for _, ref in entries:

@@ -173,3 +173,49 @@ def test_delayed_module_without_reset_parameters_is_an_error() -> None:
 
     with pytest.raises(smp.SMPUnsupportedError, match="Custom"):
         train_step(model, torch.zeros(2))
+
+
+def _fp16_run(path: str, steps: range, save_after: int | None, resume: bool) -> dict[str, torch.Tensor]:
+    import smp_compat as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "fp16": True, "auto_partition": False,
+              "default_partition": 0})  # fmt: skip
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=torch.float16):
+        net = _mlp()
+    model = smp.DistributedModel(net)
+    smp.set_partition(net[2], 1)
+    smp.set_partition(net[4], 1)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
+                                   dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 2})  # fmt: skip
+    if resume:
+        smp.resume_from_checkpoint(path)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    data = _data()
+    for i in steps:
+        opt.zero_grad()
+        train_step(model, *data[i])
+        opt.step()
+        if save_after == i:
+            smp.save_checkpoint(path, tag=f"step{i}", model=model, optimizer=opt)
+    fp16_state = opt.local_fp16_state_dict()
+    params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return {"params": params, "masters": fp16_state["fp32_master_params"], "scale": opt.loss_scale}
+
+
+def test_fp16_checkpoint_resume_is_bitwise(tmp_path) -> None:
+    straight = run_ranks(_fp16_run, 2, str(tmp_path / "a"), range(3), 1, False, timeout=90)
+    run_ranks(_fp16_run, 2, str(tmp_path / "b"), range(2), 1, False, timeout=90)
+    resumed = run_ranks(_fp16_run, 2, str(tmp_path / "b"), range(2, 3), None, True, timeout=90)
+    for a, b in zip(straight, resumed):
+        assert a["scale"] == b["scale"]
+        for key in ("params", "masters"):
+            assert a[key].keys() == b[key].keys()
+            for name in a[key]:
+                assert torch.equal(a[key][name], b[key][name]), (key, name)
