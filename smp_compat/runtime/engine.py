@@ -25,6 +25,7 @@ from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.creation import is_delayed, materialize_local
 from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
+from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
     CallId,
@@ -92,6 +93,11 @@ class PipelineEngine:
         self._hosted: dict[tuple[int, int], Hosted] = {}
         self._lazy_sites: set[tuple[Any, ...]] = set()
         self._driving: Driver | None = None
+        self._ordered = (
+            OrderedGradients([p for _, p in self.local_named_parameters() if p.requires_grad], self._driving_microbatch)
+            if state.cfg.deterministic_server
+            else None
+        )
         self._step: _StepRun | None = None
         self._end_step: Message | None = None
         self._closed = False
@@ -311,6 +317,9 @@ class PipelineEngine:
         finally:
             self._driving = previous
 
+    def _driving_microbatch(self) -> int | None:
+        return self._driving.task.priority[1] if self._driving is not None else None
+
     def _pending_owners(self, driver: Driver) -> str:
         return ", ".join(sorted({f"rank {self._request_owner.get(r, '?')}" for r in driver.outstanding}))
 
@@ -442,6 +451,8 @@ class PipelineEngine:
         """One ``@smp.step`` call: pp_rank 0 drives the microbatches, the other ranks serve until told to stop."""
         root = self.scheduler.adopt("step")
         started = timeline.now()
+        if self._ordered is not None:
+            self._ordered.begin_step()
         try:
             if self.pp_rank == 0:
                 outputs = self._drive_step(root, step_fn, call, microbatches)
@@ -450,6 +461,8 @@ class PipelineEngine:
         finally:
             self.scheduler.release_root()
             self._step = None
+        if self._ordered is not None:
+            self._ordered.end_step()
         recorder = timeline.current()
         if recorder is not None:
             recorder.add_step(started, timeline.now())
