@@ -25,12 +25,16 @@ from torch import nn
 
 try:
     import smdistributed.modelparallel.torch as smp
+
+    SMP_IMPORT = "smdistributed.modelparallel.torch"
 except ImportError:  # not launched through `smp-compat run`: use smp_compat directly
     import smp_compat as smp
 
+    SMP_IMPORT = "smp_compat"
+
 __all__ = [
-    "DEFAULT_CONFIG", "GroupedNet", "Net1", "Net2", "make_data", "make_model", "main", "parse_args", "script_config",
-    "test_step", "train_step",
+    "DEFAULT_CONFIG", "SMP_IMPORT", "GroupedNet", "Net1", "Net2", "make_data", "make_model", "main", "parse_args",
+    "script_config", "test_step", "train_step",
 ]  # fmt: skip
 
 DEFAULT_CONFIG = {
@@ -197,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         params = model.state_dict()  # a collective over the pipeline stages: every rank takes part
         if smp.rank() == 0:
-            torch.save({"losses": losses, "test_loss": test_loss, "accuracy": accuracy, "params": params,
-                        "pp_size": smp.pp_size(), "dp_size": smp.dp_size()}, args.out)  # fmt: skip
+            result = {"losses": losses, "test_loss": test_loss, "accuracy": accuracy, "params": params,
+                      "pp_size": smp.pp_size(), "dp_size": smp.dp_size(), "smp_import": SMP_IMPORT}  # fmt: skip
+            torch.save(result, args.out)
     smp.barrier()
 
 

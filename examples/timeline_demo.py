@@ -71,9 +71,9 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="timeline.json", help="Chrome-trace JSON written by rank 0")
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4, help="Linear layers per stage")
-    parser.add_argument("--batch", type=int, default=128, help="global batch of each step")
+    parser.add_argument("--batch", type=int, default=256, help="global batch of each step")
     parser.add_argument("--warmup", type=int, default=3, help="steps before recording (the first partitions)")
     parser.add_argument("--steps", type=int, default=2, help="steps recorded")
     return parser.parse_args(argv)
