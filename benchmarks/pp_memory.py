@@ -39,6 +39,7 @@ from pp_workload import (  # noqa: E402
     TorchRunner,
     make_batches,
     make_mlp,
+    preload,
     split_index,
 )
 from smp_compat.testing import run_ranks  # noqa: E402
@@ -78,7 +79,9 @@ class SavedTensorMeter:
         if tensor.data_ptr() in self._params or tensor.device.type == "meta":
             return tensor
         key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        held = SavedTensorMeter._Held(tensor)
+        # Detached: holding a saved *output* with its grad_fn would make a cycle through autograd's C++ graph
+        # (node -> saved tensor -> grad_fn -> node) that Python's gc cannot break, and leak every graph.
+        held = SavedTensorMeter._Held(tensor.detach())
         with self._lock:
             if self._refs.get(key, 0) == 0:
                 self.current += key[1]
@@ -150,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------- inside each rank
 def _measure(meter: SavedTensorMeter, runner: Any, batches: list, steps: int) -> tuple[list[int], int]:
+    """Peak saved bytes of each of ``steps`` steps (after one unmeasured), and what is still held after them."""
     runner.step(*batches[0])
     peaks = []
     for i in range(steps):
@@ -177,6 +181,11 @@ def _unit_bytes(args: argparse.Namespace) -> int:
 
 
 def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
+    """smp variants on the one DistributedModel (switched between steps), then each torch schedule.
+
+    Weights are excluded by data pointer, taken before smp_compat partitions: on CPU the parameters this
+    rank keeps stay where they are.
+    """
     meter = SavedTensorMeter()
     net = meter.instrument(make_mlp(args.width, args.layers))
     meter.exclude_parameters(net)
@@ -197,6 +206,8 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- in the parent
 def run(args: argparse.Namespace) -> Result:
+    """One 2-rank job; peaks per variant and rank."""
+    preload()
     per_rank = run_ranks(_rank_main, 2, args, timeout=args.timeout, threads_per_rank=args.threads)
     variants = [*SMP_VARIANTS, *TORCH_VARIANTS]
     return Result(
@@ -209,6 +220,7 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def report(result: Result, console: Console) -> None:
+    """One table: peak per variant and rank, in MiB and in microbatches' worth, with the target."""
     a = result.args
     table = Table(
         title=f"pp=2 peak activation memory (bytes saved for backward): MLP width {a['width']} x {a['layers']} "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ __all__ = [
     "TorchRunner",
     "make_batches",
     "make_mlp",
+    "preload",
     "split_index",
     "smp_config",
 ]
@@ -44,7 +44,17 @@ SMP_VARIANTS: dict[str, tuple[str, int | None]] = {
     "smp-simple": ("simple", None),
 }
 TORCH_VARIANTS = ("torch-1F1B", "torch-GPipe")
-StepFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def preload() -> None:
+    """Import in the parent what every rank would otherwise import after the fork, each on its own.
+
+    The first optimizer imports torch._dynamo (seconds), and torch's pipelining package is large; forked
+    ranks inherit what the parent already has.
+    """
+    import torch.distributed.pipelining  # noqa: F401
+
+    _sgd([torch.zeros(1, requires_grad=True)])
 
 
 def split_index(layers: int) -> int:

@@ -181,4 +181,4 @@ def test_docs_index_links_every_page() -> None:
     linked = set(re.findall(r"\]\(([\w.-]+\.md)", index))
     pages = {p.name for p in docs.glob("*.md")} - {"index.md"}
     assert pages <= linked, f"docs/index.md does not link {sorted(pages - linked)}"
-    assert {name for name in linked if not (docs / name).is_file()} <= {"checkpoints.md"}  # issue 4 writes it
+    assert {name for name in linked if not (docs / name).is_file()} == set()
