@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -86,9 +87,10 @@ def _child(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(threads)
-    faulthandler.dump_traceback_later(max(timeout - 1.0, 1.0), exit=False)
     code = 0
     try:
+        # sys.__stderr__: under pytest's capsys, sys.stderr has no file descriptor for faulthandler
+        faulthandler.dump_traceback_later(max(timeout - 1.0, 1.0), exit=False, file=sys.__stderr__)
         dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
         result = fn(*args)
         conn.send_bytes(pickle.dumps(("ok", result)))

@@ -491,6 +491,7 @@ class PipelineEngine:
         if not self._closed:
             self._closed = True
             self.transport.close()
+            self.scheduler.close()
 
     @property
     def bytes_sent(self) -> int:

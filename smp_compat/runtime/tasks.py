@@ -1,7 +1,7 @@
 """Cooperative tasks: one thread per task, exactly one of them running at a time.
 
-A task runs until it must wait for another rank; then it picks the next task by priority and
-hands over the baton itself (no scheduler thread in between), or, if nothing can run, serves
+Tasks run on a pool of long-lived worker threads. A task runs until it must wait for another rank;
+then it picks the next task by priority and hands over the baton itself (no scheduler thread in between), or, if nothing can run, serves
 incoming messages until something can. Free-running threads sharing a lock measured about 0.7x
 of torch's Schedule1F1B here; explicit hand-over is what makes the eager design fast.
 """
@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from smp_compat import timeline
 from smp_compat.errors import SMPTimeoutError
@@ -74,6 +76,9 @@ class Scheduler:
         self.tasks: list[Task] = []
         self.root: Task | None = None
         self.timeout = float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+        self._torch_threads = torch.get_num_threads()
+        self._idle_workers: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers: list[queue.SimpleQueue] = []
 
     def adopt(self, name: str) -> Task:
         """Make the calling thread (the one in the step call) the root task; it holds the baton."""
@@ -88,10 +93,38 @@ class Scheduler:
 
     # ------------------------------------------------------------------ used by the baton holder
     def spawn(self, task: Task) -> None:
-        """Add a new runnable task; its thread starts now but runs only when picked."""
+        """Add a new runnable task; a pooled worker thread takes it but runs it only when picked."""
         task.runnable = True
         self.tasks.append(task)
-        threading.Thread(target=self._thread_main, args=(task,), name=f"smp-{task.name}", daemon=True).start()
+        try:
+            worker = self._idle_workers.get_nowait()
+        except queue.Empty:
+            worker = self._new_worker()
+        worker.put(task)
+
+    def _new_worker(self) -> queue.SimpleQueue:
+        """A long-lived worker thread. Fresh threads per task cost twice: torch's per-thread state was not set
+        up (BLAS ran with the default thread count, ~6x slower matmuls here) and each new thread's memory
+        arena page-faulted its tensors in again (~25k faults per step)."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        thread = threading.Thread(target=self._worker_loop, args=(inbox,), name="smp-worker", daemon=True)
+        thread.start()
+        self._workers.append(inbox)
+        return inbox
+
+    def _worker_loop(self, inbox: queue.SimpleQueue) -> None:
+        torch.set_num_threads(self._torch_threads)
+        while True:
+            task = inbox.get()
+            if task is None:
+                return
+            self._thread_main(task)
+            self._idle_workers.put(inbox)
+
+    def close(self) -> None:
+        """End the idle worker threads (at engine shutdown)."""
+        for inbox in self._workers:
+            inbox.put(None)
 
     def wake(self, task: Task, value: Any = None) -> None:
         """Make a waiting task runnable; it resumes with ``value`` returned from its ``block``."""
