@@ -55,7 +55,7 @@ log = logging.getLogger("smp_compat")
 # Task priority classes, lowest first. A task resuming after a remote forward reply is on the
 # critical path (it computes what another rank waits for: the next hop, or the loss whose gradient
 # starts that rank's backward), then backward work (frees memory, 1F1B), then new forward work.
-_CONTINUE, _BACKWARD, _FORWARD = 0, 1, 2
+_CONTINUE, _BACKWARD, _SERVE, _FORWARD = 0, 1, 1, 2
 
 
 class PipelineEngine:
@@ -86,6 +86,7 @@ class PipelineEngine:
         self.transport = Transport(self.rank, peers, groups, state.device, self.scheduler.inbox.put)
         self.device = state.device
         self._seq = itertools.count()
+        self._arrivals = itertools.count()
         self._waiting: dict[tuple[int, int], Task] = {}
         self._requests: dict[tuple[int, int], Driver] = {}
         self._request_owner: dict[tuple[int, int], int] = {}
@@ -254,12 +255,11 @@ class PipelineEngine:
         if ctx is None:
             raise StepUsageError(f"{what} is needed outside a microbatch of an @smp.step function.")
         self._waiting[key] = ctx.task
-        phase = ctx.task.priority[0]
-        ctx.task.priority = (_CONTINUE, ctx.microbatch)
+        priority, ctx.task.priority = ctx.task.priority, (_CONTINUE, ctx.microbatch)
         try:
             return self.scheduler.block(ctx.task, what)
         finally:
-            ctx.task.priority = (phase, ctx.microbatch)
+            ctx.task.priority = priority
 
     # ------------------------------------------------------------------ backward
     def send_output_grads(self, record: CallRecord, grads: list[torch.Tensor | None]) -> None:
@@ -318,7 +318,7 @@ class PipelineEngine:
             self._driving = previous
 
     def _driving_microbatch(self) -> int | None:
-        return self._driving.task.priority[1] if self._driving is not None else None
+        return self._driving.task.microbatch if self._driving is not None else None
 
     def _pending_owners(self, driver: Driver) -> str:
         return ", ".join(sorted({f"rank {self._request_owner.get(r, '?')}" for r in driver.outstanding}))
@@ -383,8 +383,10 @@ class PipelineEngine:
         self.transport.send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
 
     def _spawn(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
+        """Served requests run in arrival order: pp_rank 0's priorities already chose that order, and
+        reordering here (say, backward first) delays forward replies that rank 0 waits on for its loss."""
         mb = message.meta["mb"]
-        task = Task(f"serve-{'fwd' if phase == _FORWARD else 'bwd'}-mb{mb}", None, (phase, mb))
+        task = Task(f"serve-{'fwd' if phase == _FORWARD else 'bwd'}-mb{mb}", None, (_SERVE, next(self._arrivals)), mb)
         task.phase = "forward" if phase == _FORWARD else "backward"
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
@@ -521,7 +523,7 @@ class _StepRun:
             mb = self.next_mb
             self.next_mb += 1
             self.running += 1
-            task = Task(f"microbatch-{mb}", None, (_FORWARD, mb))
+            task = Task(f"microbatch-{mb}", None, (_FORWARD, mb), mb)
             task.fn = self._body(task, mb)
             task.on_done = self._done
             self.engine.scheduler.spawn(task)
@@ -546,7 +548,7 @@ class _StepRun:
             while self.in_backward + self.finished < len(self.microbatches):
                 self.simple_waiters.append(task)
                 self.engine.scheduler.block(task, "every microbatch's forward (simple pipeline)", expects_reply=False)
-        task.priority = (_BACKWARD, task.priority[1])
+        task.priority = (_BACKWARD, task.microbatch)
         task.phase = "backward"
 
     def _release_simple_waiters(self) -> None:
@@ -559,7 +561,7 @@ class _StepRun:
         if task.error is not None:
             self.engine.scheduler.fail(task.error)
             return
-        self.outputs[task.priority[1]] = task.result
+        self.outputs[task.microbatch] = task.result
         self.running -= 1
         self.finished += 1
         if self.simple:

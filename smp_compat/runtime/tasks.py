@@ -44,9 +44,12 @@ class Task:
 
     _ids = itertools.count()
 
-    def __init__(self, name: str, fn: Callable[[], Any] | None, priority: tuple[int, ...]) -> None:
+    def __init__(
+        self, name: str, fn: Callable[[], Any] | None, priority: tuple[int, ...], microbatch: int | None = None
+    ) -> None:
         self.id = next(Task._ids)
         self.name = name
+        self.microbatch = microbatch
         self.fn = fn
         self.priority = priority
         self.go = threading.Event()
@@ -235,7 +238,7 @@ class Scheduler:
     def _record_run(task: Task) -> None:
         recorder = timeline.current()
         if recorder is not None and task.fn is not None and task.resumed_at:
-            span = timeline.Span("compute", task.name, task.phase, task.resumed_at, timeline.now(), task.priority[1])
+            span = timeline.Span("compute", task.name, task.phase, task.resumed_at, timeline.now(), task.microbatch)
             recorder.add(span)
 
     def _check_idle(self, idle_since: float) -> None:
