@@ -10,8 +10,10 @@ Two processes give two pipeline stages (the config below is the one AWS's notebo
 2, 4 microbatches, ``spread`` placement, ddp); four processes add data parallelism (pp 2 x dp 2). As in
 AWS's script: a ``GroupedNet`` of two sub-networks left to the automatic partitioner, one ``@smp.step`` for
 training and one for evaluation, the data sharded by ``smp.dp_rank()``, and the evaluation sums taken over
-the microbatches. AWS's version also ran the forward pass under ``torch.cuda.amp.autocast`` with
-``smp.amp.GradScaler`` on GPUs; this one stays in fp32 so that it trains exactly like plain PyTorch.
+the microbatches. ``--amp`` runs the forward under autocast (bf16 on CPU, fp16 on GPUs) with
+``smp.amp.GradScaler``, as AWS's version did on GPUs; without it the script trains exactly like plain
+PyTorch. ``--save-dir`` ends with AWS's checkpoint checks: a partial and a full ``smp.save``, then
+``smp.load`` of both, compared with what was saved.
 """
 
 from __future__ import annotations
@@ -106,12 +108,24 @@ def make_data(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return templates[labels] + 2.0 * torch.randn(count, 1, 28, 28, generator=generator), labels
 
 
+AMP: dict[str, object] = {"scaler": None}
+"""Set by ``--amp``: the GradScaler, which the step function uses to scale the loss."""
+
+
+def _autocast() -> torch.autocast:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    return torch.autocast(device, dtype=dtype, enabled=AMP["scaler"] is not None)
+
+
 @smp.step
 def train_step(model: nn.Module, data: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs once per microbatch: forward, loss, ``model.backward``; the outputs come back as StepOutputs."""
-    output = model(data)
-    loss = F.nll_loss(output, target, reduction="mean")
-    model.backward(loss)
+    with _autocast():
+        output = model(data)
+        loss = F.nll_loss(output.float(), target, reduction="mean")
+    scaler = AMP["scaler"]
+    model.backward(scaler.scale(loss) if scaler is not None else loss)
     return output, loss
 
 
@@ -143,7 +157,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, epo
         _, loss_mb = train_step(model, data, target)
         # Average over microbatches, then over data-parallel replicas (each saw a different shard).
         loss = sum(smp.allgather(loss_mb.reduce_mean().item(), smp.DP_GROUP)) / smp.dp_size()
-        optimizer.step()
+        scaler = AMP["scaler"]
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         losses.append(loss)
         if smp.rank() == 0:
             print(f"epoch {epoch} batch {batch_idx}: loss {loss:.6f}", flush=True)
@@ -166,6 +185,24 @@ def test(model: nn.Module, batches: list) -> tuple[float, float]:
     return test_loss / seen, correct / seen
 
 
+def check_save_and_load(model: nn.Module, folder: str) -> None:
+    """AWS's checks: partial save on dp_rank 0 of each stage, full save on rank 0, then load both back."""
+    os.makedirs(folder, exist_ok=True)
+    partial_file, full_file = os.path.join(folder, "model_partial.pt"), os.path.join(folder, "model_full.pt")
+    local = model.local_state_dict()
+    if smp.dp_rank() == 0:
+        smp.save(local, partial_file, partial=True)
+    full = model.state_dict()  # every rank takes part; pp_rank 0 gets the dict
+    if smp.rank() == 0:
+        smp.save(full, full_file, partial=False)
+    smp.barrier()
+    loaded = smp.load(partial_file, partial=True)
+    assert all(torch.equal(loaded[k], v) for k, v in local.items() if torch.is_tensor(v)), "partial load differs"
+    model.load_state_dict(smp.load(full_file, partial=False))
+    if smp.rank() == 0:
+        print(f"saved and loaded {partial_file} (partial) and {full_file} (full)", flush=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
@@ -174,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test-samples", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
     parser.add_argument("--out", help="rank 0 saves losses, test results and final parameters here")
+    parser.add_argument("--amp", action="store_true", help="autocast + smp.amp.GradScaler, as AWS's GPU version")
+    parser.add_argument("--save-dir", help="partial and full smp.save / smp.load round trip in this folder")
     return parser.parse_args(argv)
 
 
@@ -192,12 +231,16 @@ def main(argv: list[str] | None = None) -> None:
     # SMP moves each partition to its device: no model.to(device) here.
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(optimizer)
+    if args.amp:
+        AMP["scaler"] = smp.amp.GradScaler()
 
     losses: list[float] = []
     for epoch in range(1, args.epochs + 1):
         losses += train(model, optimizer, train_batches, epoch)
         test_loss, accuracy = test(model, test_batches)
 
+    if args.save_dir:
+        check_save_and_load(model, args.save_dir)
     if args.out:
         params = model.state_dict()  # a collective over the pipeline stages: every rank takes part
         if smp.rank() == 0:

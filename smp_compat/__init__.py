@@ -8,6 +8,8 @@ from __future__ import annotations
 import os as _os
 
 from smp_compat import amp
+from smp_compat import patches as patches
+from smp_compat.patches import checkpoint as _patches_checkpoint  # noqa: F401 - smp.patches.checkpoint
 from smp_compat.checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from smp_compat.creation import delay_param_initialization, model_creation
 from smp_compat.comm import (

@@ -447,7 +447,8 @@ COMMANDS: dict[str, Command] = {
 
 def _usage() -> str:
     lines = ["usage: smp-compat COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<8} {command.help}" for name, command in COMMANDS.items()]
+    width = max(len(name) for name in COMMANDS)
+    lines += [f"  {name:<{width}} {command.help}" for name, command in COMMANDS.items()]
     lines += ["", "`smp-compat COMMAND --help` describes each command."]
     return "\n".join(lines)
 

@@ -105,12 +105,10 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("checkpoint", _S, "", ""),
         ("checkpoint_sequential", _S, "SMP has it only as patches.checkpoint.checkpoint_sequential; smp_compat "
          "also exports it here.", ""),
-        ("patches", _U, "SMP's internal patch modules are not provided.",
-         "Import checkpoint / checkpoint_sequential from smdistributed.modelparallel.torch itself.", True),
-        ("patches.checkpoint.checkpoint", _U, "The patches module path is not provided.",
-         "Use smp.checkpoint (same function)."),
-        ("patches.checkpoint.checkpoint_sequential", _U, "The patches module path is not provided.",
-         "Use smp.checkpoint_sequential (same function)."),
+        ("patches", _P, "Only patches.checkpoint (activation checkpointing) is provided.",
+         "Import other internals from their public names.", True),
+        ("patches.checkpoint.checkpoint", _S, "Same function as smp.checkpoint.", ""),
+        ("patches.checkpoint.checkpoint_sequential", _S, "Same function as smp.checkpoint_sequential.", ""),
     ]),
     ("smp.nn, smp.amp, smp.optimizers", [
         ("nn", _U, "SMP's tensor-parallel and fused modules are not provided.",

@@ -128,3 +128,17 @@ def test_docs_show_the_documented_commands() -> None:
     assert "smp-compat run --nproc-per-node 2 examples/mnist_cnn.py" in porting
     assert "img/timeline.svg" in porting and (ROOT / "docs" / "img" / "timeline.svg").is_file()
     ET.fromstring((ROOT / "docs" / "img" / "timeline.svg").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_mnist_with_grad_scaler_autocast_and_smp_save_load(tmp_path: Path, processes: int) -> None:
+    """AWS's MNIST CI shape: GradScaler + autocast, partial and full smp.save, smp.load, allgather of the loss."""
+    out = tmp_path / "mnist.pt"
+    cmd = [*_smp_compat_command(), "run", "--nproc-per-node", str(processes), "--master-port", str(_free_port()),
+           "--config", json.dumps(DISTRIBUTION), str(MNIST), *MNIST_ARGS, "--amp", "--save-dir", str(tmp_path),
+           "--out", str(out)]  # fmt: skip
+    _run_all([(cmd, _clean_env())], tmp_path)
+    result = torch.load(out)
+    assert result["pp_size"] == 2 and result["dp_size"] == processes // 2
+    assert all(torch.isfinite(torch.tensor(result["losses"])))
+    assert (tmp_path / "model_full.pt").is_file() and (tmp_path / "model_partial.pt_1_0.pt").is_file()

@@ -1,0 +1,7 @@
+"""``smdistributed.modelparallel.torch.patches.checkpoint``: SMP's activation-checkpointing functions."""
+
+from __future__ import annotations
+
+from smp_compat.checkpointing import checkpoint, checkpoint_sequential
+
+__all__ = ["checkpoint", "checkpoint_sequential"]
