@@ -6,6 +6,10 @@ Use it as ``import smp_compat as smp``, or run an unmodified SMP script through 
 from __future__ import annotations
 
 import os as _os
+import warnings as _warnings
+
+# torch without numpy warns at import in every process; nothing here needs numpy. Only that message.
+_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from smp_compat import amp
 from smp_compat import patches as patches

@@ -139,10 +139,19 @@ def launch_environment(launch: LaunchConfig, cfg: SMPConfig, environ: Mapping[st
     env = {
         "PYTHONPATH": pythonpath_with_shim(environ.get("PYTHONPATH")),
         FRAMEWORK_ENV: json.dumps(_framework_params(environ.get(FRAMEWORK_ENV))),
+        "PYTHONWARNINGS": _with_warning_filter(environ.get("PYTHONWARNINGS")),
     }
     if launch.parameters is not None:
         env[ENV_VAR] = json.dumps({**launch.parameters, "partitions": cfg.pipeline_parallel_degree})
     return env
+
+
+_NUMPY_NOTICE = "ignore:Failed to initialize NumPy"
+
+
+def _with_warning_filter(current: str | None) -> str:
+    """torch without numpy warns about it in every process at import; numpy is not needed here."""
+    return f"{current},{_NUMPY_NOTICE}" if current else _NUMPY_NOTICE
 
 
 def _framework_params(current: str | None) -> dict[str, Any]:

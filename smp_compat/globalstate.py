@@ -148,6 +148,10 @@ def _init_process_groups(launch: LaunchEnv, topology: Topology, backend: str) ->
     if not dist.is_initialized() and launch.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         state.owns_process_group = True
+    elif not dist.is_initialized() and launch.launcher == "torchrun":
+        # torchrun's agent already hosts the store (TORCHELASTIC_USE_AGENT_STORE): join it through env://
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=_pg_timeout())
+        state.owns_process_group = True
     elif not dist.is_initialized():
         store = dist.TCPStore(
             launch.master_addr,
