@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,8 +22,8 @@ def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(STEPS)]
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch: the same microbatches under the same autocast, a plain GradScaler."""
+def _reference(dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch: the same microbatches (of every data-parallel shard) under the same autocast."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
@@ -30,22 +31,23 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     for x, y in _data():
         opt.zero_grad()
         total = 0.0
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+        chunks = MICROBATCHES * dp
+        for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = F.mse_loss(model(xm).float(), ym)
-            scaler.scale(loss / MICROBATCHES).backward()
-            total += loss.item() / MICROBATCHES
+            scaler.scale(loss / chunks).backward()
+            total += loss.item() / chunks
         scaler.step(opt)
         scaler.update()
         losses.append(total)
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _train(inject_overflow_at: int | None) -> dict:
+def _train(inject_overflow_at: int | None, dp: int = 1) -> dict:
     import smp_compat as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
-              "default_partition": 0})  # fmt: skip
+              "default_partition": 0, "ddp": dp > 1})  # fmt: skip
     net = _mlp()
     model = smp.DistributedModel(net)
     smp.set_partition(net[2], 1)
@@ -64,9 +66,12 @@ def _train(inject_overflow_at: int | None) -> dict:
         return loss
 
     losses, scales, snapshots = [], [], []
+    per_rank = BATCH // smp.dp_size()
+    lo = smp.dp_rank() * per_rank
     for x, y in _data():
         opt.zero_grad()
-        losses.append(train_step(model, x, y).reduce_mean().item())
+        local = train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank]).reduce_mean().item()
+        losses.append(sum(smp.allgather(local, smp.DP_GROUP)) / smp.dp_size())
         before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
         scaler.step(opt)
         scaler.update()
@@ -77,10 +82,11 @@ def _train(inject_overflow_at: int | None) -> dict:
     return {"losses": losses, "params": params, "scales": scales, "unchanged": snapshots}
 
 
-def test_autocast_in_step_body_with_grad_scaler_matches_plain_pytorch() -> None:
-    results = run_ranks(_train, 2, None, timeout=60)
-    ref_losses, ref_params = _reference()
-    merged = {**results[0]["params"], **results[1]["params"]}
+@pytest.mark.parametrize("dp", [1, 2])
+def test_autocast_in_step_body_with_grad_scaler_matches_plain_pytorch(dp: int) -> None:
+    results = run_ranks(_train, 2 * dp, None, dp, timeout=90)
+    ref_losses, ref_params = _reference(dp)
+    merged = {k: v for r in results for k, v in r["params"].items()}
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses), rtol=1e-2, atol=1e-3)
     for name, value in ref_params.items():
         torch.testing.assert_close(merged[name], value, rtol=1e-2, atol=1e-3, msg=lambda m: f"{name}: {m}")
