@@ -94,6 +94,7 @@ class PipelineEngine:
         self._hosted: dict[tuple[int, int], Hosted] = {}
         self._lazy_sites: set[tuple[Any, ...]] = set()
         self._driving: Driver | None = None
+        self._releases: dict[int, list[int]] = {}
         self._ordered = (
             OrderedGradients([p for _, p in self.local_named_parameters() if p.requires_grad], self._driving_microbatch)
             if state.cfg.deterministic_server
@@ -166,7 +167,7 @@ class PipelineEngine:
             "call": call_id, "target": target, "mb": ctx.microbatch, "grad": grad, "amp": amp_state(),
             "skeleton": skeleton, "inputs": specs, "lazy": lazy, "checkpoint": requested_checkpointing(),
         }  # fmt: skip
-        self.transport.send(owner, "fwd", meta, data)
+        self._send(owner, "fwd", meta, data)
         reply = self._await(ctx, call_id, f"forward of {record.description}")
         if reply.kind == "fwd_err":
             raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}")
@@ -239,7 +240,7 @@ class PipelineEngine:
         record = remote._record
         self._lazy_sites.discard(record.site)
         request = (self.rank, next(self._seq))
-        self.transport.send(record.owner, "get", {"req": request, "mb": record.microbatch, "value": remote._value})
+        self._send(record.owner, "get", {"req": request, "mb": record.microbatch, "value": remote._value})
         reply = self._await(ctx, request, f"the value of {record.description}")
         if "error" in reply.meta:
             raise RemoteError(reply.meta["error"])
@@ -272,7 +273,7 @@ class PipelineEngine:
         self._request_owner[request] = record.owner
         values = [v for v, g in zip(record.out_values, grads) if g is not None]
         meta = {"req": request, "mb": record.microbatch, "values": values}
-        self.transport.send(record.owner, "bwd", meta, [g for g in grads if g is not None])
+        self._send(record.owner, "bwd", meta, [g for g in grads if g is not None])
 
     def backward(self, tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor]) -> None:
         """``model.backward`` inside a microbatch task on pp_rank 0."""
@@ -339,12 +340,23 @@ class PipelineEngine:
             if record.passed_on and not record.triggered:
                 self._lazy_sites.add(record.site)
         for owner in sorted({r.owner for r in calls.records.values()}):
-            self.transport.send(owner, "release", {"mb": mb})
+            self._releases.setdefault(owner, []).append(mb)  # rides on the next message to that owner
+
+    def _send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
+        """Send, with the microbatches ``dst`` may now forget attached (each message costs ~0.1 ms on gloo)."""
+        meta = dict(meta or {})
+        releases = self._releases.pop(dst, None)
+        if releases:
+            meta["release"] = releases
+        self.transport.send(dst, kind, meta, tensors)
 
     # ------------------------------------------------------------------ owner side
     def _handle(self, message: Message) -> None:
         """Runs in whichever thread holds the baton: turn a message into wake-ups or new tasks."""
         kind, meta = message.kind, message.meta
+        for mb in meta.get("release", ()):  # the sender's earlier microbatches are over
+            self._hosted.pop((message.src, mb), None)
+            self._end_microbatch(mb)
         if kind in ("fwd_ok", "fwd_err", "got"):
             self.scheduler.wake(self._waiting.pop(meta.get("call", meta.get("req"))), message)
         elif kind == "fwd":
@@ -359,9 +371,6 @@ class PipelineEngine:
             driver.replies[meta["req"]] = message
             if driver.waiting:
                 self.scheduler.wake(driver.task)
-        elif kind == "release":
-            self._hosted.pop((message.src, meta["mb"]), None)
-            self._end_microbatch(meta["mb"])
         elif kind == "end_step":
             self._end_step = message
             if self.scheduler.root is not None:
@@ -378,9 +387,9 @@ class PipelineEngine:
         if value is None:
             error = (f"rank {self.rank} no longer holds a result of microbatch {message.meta['mb']}: a result that "
                      "stayed remote can only be used inside its microbatch (or returned from the step function)")
-            self.transport.send(message.src, "got", {"req": message.meta["req"], "error": error})
+            self._send(message.src, "got", {"req": message.meta["req"], "error": error})
             return
-        self.transport.send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
+        self._send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
 
     def _spawn(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
         """Served requests run in arrival order: pp_rank 0's priorities already chose that order, and
@@ -413,7 +422,7 @@ class PipelineEngine:
             hosted.values[(call_id, "out", j)] = o
             specs.append((tuple(o.shape), o.dtype, meta["grad"] and o.requires_grad))
         reply = {"call": call_id, "skeleton": skeleton, "outputs": specs, "lazy": meta["lazy"]}
-        self.transport.send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
+        self._send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
 
     def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
         inputs = []
@@ -442,11 +451,11 @@ class PipelineEngine:
             self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)")
             return
         leaves, grads = hosted.collect_leaf_grads()
-        self.transport.send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
+        self._send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
 
     def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
-        self.transport.send(message.src, kind, {key: message.meta[key], "error": text})
+        self._send(message.src, kind, {key: message.meta[key], "error": text})
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
@@ -478,7 +487,7 @@ class PipelineEngine:
         skeleton, tensors = flatten_tensors([_detach(o) for o in run.outputs])
         for peer in self.pp_members:
             if peer != self.rank:
-                self.transport.send(peer, "end_step", {"skeleton": skeleton, "backward": self.model._backward_ran}, tensors)
+                self._send(peer, "end_step", {"skeleton": skeleton, "backward": self.model._backward_ran}, tensors)
         return run.outputs
 
     def _serve_step(self, root: Task) -> list[Any]:

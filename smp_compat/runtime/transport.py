@@ -14,6 +14,8 @@ exact sizes: there a fixed-size head goes first, then the rest of the packed buf
 
 from __future__ import annotations
 
+import ctypes
+import pickle
 import queue
 import struct
 import threading
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from smp_compat import timeline
-from smp_compat.serialize import object_to_tensor, tensor_to_object
+from smp_compat.serialize import tensor_to_object
 
 __all__ = ["Message", "Transport", "create_channel_groups", "pack", "unpack", "HEADER_BYTES"]
 
@@ -60,20 +62,25 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def pack(kind: str, meta: dict[str, Any], tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One uint8 buffer: total and header lengths, the pickled header, then each tensor's bytes, aligned."""
+def pack(
+    kind: str, meta: dict[str, Any], tensors: list[torch.Tensor], device: torch.device, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One uint8 buffer: total and header lengths, the pickled header, then each tensor's bytes, aligned.
+
+    Written into ``into`` (a reusable buffer, grown when too small) when given; returns the used prefix.
+    """
     offsets, offset = [], 0
     for t in tensors:
         offsets.append(offset)
         offset += _aligned(t.numel() * t.element_size())
     specs = [(tuple(t.shape), t.dtype, o) for t, o in zip(tensors, offsets)]
-    header = object_to_tensor((kind, meta, specs))
-    start = _aligned(_LENGTHS.size + header.numel())
+    header = _LENGTHS.pack(0, 0) + pickle.dumps((kind, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    header_len = len(header) - _LENGTHS.size
+    start = _aligned(len(header))
     total = max(start + offset, HEADER_BYTES)
-    buf = torch.empty(total, dtype=torch.uint8, device=device)
-    lengths = torch.frombuffer(bytearray(_LENGTHS.pack(total, header.numel())), dtype=torch.uint8)
-    buf[: _LENGTHS.size] = lengths.to(device)
-    buf[_LENGTHS.size : _LENGTHS.size + header.numel()] = header.to(device)
+    header = _LENGTHS.pack(total, header_len) + header[_LENGTHS.size :]
+    buf = into[:total] if into is not None and into.numel() >= total else torch.empty(total, dtype=torch.uint8, device=device)
+    buf[: len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     for t, o in zip(tensors, offsets):
         n = t.numel() * t.element_size()
         if n:
@@ -82,20 +89,22 @@ def pack(kind: str, meta: dict[str, Any], tensors: list[torch.Tensor], device: t
 
 
 def _lengths(buf: torch.Tensor) -> tuple[int, int]:
-    return _LENGTHS.unpack(bytes(buf[: _LENGTHS.size].cpu().tolist()))
+    head = buf[: _LENGTHS.size]
+    if head.device.type != "cpu":
+        head = head.cpu()
+    return _LENGTHS.unpack(ctypes.string_at(head.data_ptr(), _LENGTHS.size))
 
 
-def unpack(buf: torch.Tensor, src: int) -> Message:
-    """Inverse of ``pack``; tensors are views of ``buf`` (copies when the buffer is mostly empty)."""
+def unpack(buf: torch.Tensor, src: int, copy: bool = True) -> Message:
+    """Inverse of ``pack``. ``copy``: the tensors own their memory (``buf`` is a reused receive buffer)."""
     total, header_len = _lengths(buf)
     kind, meta, specs = tensor_to_object(buf[_LENGTHS.size : _LENGTHS.size + header_len], header_len)
     start = _aligned(_LENGTHS.size + header_len)
-    copy = total * 2 < buf.numel()  # don't let small tensors pin a large receive buffer
     tensors = []
     for shape, dtype, o in specs:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         t = buf[start + o : start + o + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype, device=buf.device)
-        tensors.append(t.clone() if copy else t)
+        tensors.append(t.clone() if copy and n else t)
     return Message(kind, src, meta, tensors)
 
 
@@ -147,11 +156,15 @@ class Transport:
     # ------------------------------------------------------------------ threads
     def _send_loop(self, dst: int) -> None:
         group = self.groups[(self.rank, dst)]
+        send_buffer = torch.empty(_INITIAL_CAPACITY, dtype=torch.uint8, device=self.device)
         while True:
             kind, meta, tensors = self._outboxes[dst].get()
             start = timeline.now()
             try:
-                self._send_one(dst, group, pack(kind, meta, tensors, self.device))
+                buf = pack(kind, meta, tensors, self.device, into=send_buffer)
+                if buf.untyped_storage().data_ptr() != send_buffer.untyped_storage().data_ptr():
+                    send_buffer = buf  # grown: keep the larger one (dist.send returns once the data is out)
+                self._send_one(dst, group, buf)
                 _record(f"send->{dst}", kind, start)
             except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
                 self.deliver(Message("transport_error", dst, {"error": f"sending to rank {dst}: {exc}"}))
@@ -174,11 +187,14 @@ class Transport:
     def _recv_loop(self, src: int) -> None:
         group = self.groups[(src, self.rank)]
         capacity = _INITIAL_CAPACITY
+        receive_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         while True:
             try:
-                buf = self._recv_one(src, group, capacity)
+                if receive_buffer.numel() < capacity:
+                    receive_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                buf = self._recv_one(src, group, receive_buffer)
                 start = timeline.now()
-                message = unpack(buf, src)
+                message = unpack(buf, src, copy=buf is receive_buffer)
             except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
                 self.deliver(Message("transport_error", src, {"error": f"receiving from rank {src}: {exc}"}))
                 return
@@ -190,11 +206,11 @@ class Transport:
                 return
             self.deliver(message)
 
-    def _recv_one(self, src: int, group: Any, capacity: int) -> torch.Tensor:
+    def _recv_one(self, src: int, group: Any, receive_buffer: torch.Tensor) -> torch.Tensor:
+        """gloo: into the reused capacity buffer; NCCL: into fresh exact-size buffers (their tensors are views)."""
         if not self.exact_sizes:
-            buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-            dist.recv(buf, src, group=group)
-            return buf
+            dist.recv(receive_buffer, src, group=group)
+            return receive_buffer
         head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
         dist.recv(head, src, group=group)
         total, _ = _lengths(head)
