@@ -21,7 +21,7 @@ import torch
 from smp_compat import state_dicts
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
-from smp_compat.serialization import atomic_save, safe_load
+from smp_compat.serialization import atomic_save, atomic_write, fsync_dir, safe_load
 from smp_compat.serialize import all_gather_objects, broadcast_object
 
 __all__ = [
@@ -90,34 +90,8 @@ def read_newest(path: str | os.PathLike[str]) -> list[str]:
 
 def write_newest(path: str | os.PathLike[str], names: list[str]) -> None:
     """Replace ``<path>/newest`` atomically: readers see the old list or the new one, never a mix."""
-    _atomic_write_text(Path(path) / NEWEST_FILE, "".join(f"{n}\n" for n in names))
-
-
-def _atomic_write_text(target: Path, text: str) -> None:
-    tmp = target.with_name(f".{target.name}{_STAGING}{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    text = "".join(f"{n}\n" for n in names).encode("utf-8")
+    atomic_write(Path(path) / NEWEST_FILE, lambda handle: handle.write(text))
 
 
 # ---------------------------------------------------------------------- collectives over the world
@@ -285,7 +259,7 @@ def publish_folder(root: Path, staging: Path, name: str, keep: int | None = None
         backup = root / f".{name}{_BACKUP}{uuid.uuid4().hex[:12]}"
         os.replace(final, backup)
     os.replace(staging, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     names = [n for n in read_newest(root) if n != name] + [name]
     dropped = []
     if keep is not None:

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from smp_compat import cli_check, cli_checkpoint, cli_plan, timeline_picture
-from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, resolve_config
+from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
 from smp_compat.errors import SMPConfigError, SMPError
 from smp_compat.shim import pythonpath_with_shim
 from smp_compat.topology import Topology
@@ -57,20 +57,10 @@ class LaunchConfig:
     notes: tuple[str, ...] = ()
 
 
-def _parse_json(text: str, source: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SMPConfigError(
-            f"{source} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}; text starts "
-            f"{text[:80]!r}). Give one JSON object: a SageMaker distribution dict, or the SMP parameters."
-        ) from None
-
-
 def _load_config_value(value: str) -> tuple[Any, str]:
     """``--config`` is inline JSON when it starts with ``{``, else a path to a JSON file."""
     if value.lstrip().startswith("{"):
-        return _parse_json(value, "--config"), "--config"
+        return parse_json(value, "--config"), "--config"
     path = Path(value)
     if not path.is_file():
         raise SMPConfigError(
@@ -81,7 +71,7 @@ def _load_config_value(value: str) -> tuple[Any, str]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SMPConfigError(f"Cannot read --config file {value!r}: {exc}. Pass a readable JSON file.") from None
-    return _parse_json(text, f"--config file {value!r}"), f"--config file {value!r}"
+    return parse_json(text, f"--config file {value!r}"), f"--config file {value!r}"
 
 
 def _mpi_section(raw: Any) -> tuple[int | None, tuple[str, ...]]:
@@ -123,7 +113,7 @@ def read_launch_config(value: str | None, environ: Mapping[str, str]) -> LaunchC
         inherited = environ.get(ENV_VAR, "")
         if not inherited.strip():
             return LaunchConfig(None, None, "none")
-        raw, source = _parse_json(inherited, ENV_VAR), f"{ENV_VAR} (inherited)"
+        raw, source = parse_json(inherited, ENV_VAR), f"{ENV_VAR} (inherited)"
     else:
         raw, source = _load_config_value(value)
     count, notes = _mpi_section(raw)

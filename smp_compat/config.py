@@ -22,6 +22,7 @@ __all__ = [
     "SMPConfig",
     "UNSUPPORTED",
     "extract_mp_parameters",
+    "parse_json",
     "resolve_config",
 ]
 
@@ -531,7 +532,7 @@ def _load_source(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> d
             raise SMPConfigError(
                 f"Cannot read the SMP config file {str(path)!r}: {exc}; pass an existing JSON file or a dict."
             ) from None
-        return _canonicalize(extract_mp_parameters(_parse_json(text, f"the config file {str(path)!r}")), str(path))
+        return _canonicalize(extract_mp_parameters(parse_json(text, f"the config file {str(path)!r}")), str(path))
     return _canonicalize(extract_mp_parameters(config), "the config passed to smp.init()")
 
 
@@ -540,17 +541,17 @@ def _load_env(environ: Mapping[str, str]) -> dict[str, Any]:
     raw = environ.get(ENV_VAR, "")
     if not raw.strip():
         return {}
-    return _canonicalize(extract_mp_parameters(_parse_json(raw, ENV_VAR)), ENV_VAR)
+    return _canonicalize(extract_mp_parameters(parse_json(raw, ENV_VAR)), ENV_VAR)
 
 
-def _parse_json(text: str, source: str) -> Any:
+def parse_json(text: str, source: str) -> Any:
     """json.loads with an error that names where the text came from."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise SMPConfigError(
             f"{source} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}; text starts "
-            f"{text[:120]!r}); fix it so that it holds one JSON object of SMP parameters."
+            f"{text[:120]!r}). Give one JSON object: a SageMaker distribution dict, or the SMP parameters."
         ) from None
 
 

@@ -10,15 +10,16 @@ import os
 import pickle
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import state
 
-__all__ = ["save", "load", "atomic_save", "safe_load", "partial_path"]
+__all__ = ["save", "load", "atomic_write", "atomic_save", "fsync_dir", "safe_load", "partial_path"]
 
 
 def partial_path(f: str | os.PathLike[str], v3: bool = False, back_compat: bool = False) -> str:
@@ -30,24 +31,30 @@ def partial_path(f: str | os.PathLike[str], v3: bool = False, back_compat: bool 
     return f"{f}_{c.pp_rank}_{c.tp_rank}{suffix}.pt"
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str], **save_kwargs: Any) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename: never a half-written file."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into a temporary file beside ``path``, fsync, then rename: never a half-written file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle, **save_kwargs)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def atomic_save(obj: Any, path: str | os.PathLike[str], **save_kwargs: Any) -> None:
+    """``torch.save`` through ``atomic_write``."""
+    atomic_write(path, lambda handle: torch.save(obj, handle, **save_kwargs))
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

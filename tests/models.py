@@ -80,3 +80,39 @@ def reference_training(steps: int, batch: int, lr: float = 1e-2) -> tuple[list[f
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def place_blocks_by_stage(smp, model) -> None:  # type: ignore[no-untyped-def]
+    """The manual split the pipeline tests share: blocks spread in order over the stages, ln_f on the last one,
+    the tied embedding and head on rank 0 (so a microbatch goes rank 0 -> later ranks -> rank 0)."""
+    blocks = model.module.blocks
+    per = len(blocks) // smp.pp_size()
+    for i, block in enumerate(blocks):
+        smp.set_partition(block, min(i // per, smp.pp_size() - 1))
+    smp.set_partition(model.module.ln_f, smp.pp_size() - 1)
+
+
+def lm_train_step(smp):  # type: ignore[no-untyped-def]
+    """The @smp.step every transformer test trains with: causal mask as a keyword, loss in the step body."""
+    mask = causal_mask(8)
+
+    @smp.step
+    def train_step(model, x, y):  # type: ignore[no-untyped-def]
+        loss = lm_loss(model(x, attention_mask=mask), y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
+def train_smp(smp, model, opt, train_step, steps: int, global_batch: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """SMP-style loop on this data-parallel rank's shard of the reference batches; global mean losses."""
+    per_rank = global_batch // smp.dp_size()
+    lo = smp.dp_rank() * per_rank
+    losses = []
+    for x, y in make_batches(steps, global_batch):
+        opt.zero_grad()
+        out = train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank])
+        opt.step()
+        losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / smp.dp_size())
+    return losses

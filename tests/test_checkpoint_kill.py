@@ -158,17 +158,19 @@ def test_a_failed_newest_update_keeps_the_previous_pointer(tmp_path: Path, monke
     smp.init({})
     model = smp.DistributedModel(nn.Linear(3, 3))
     smp.save_checkpoint(tmp_path, "good", model=model, user_content="good")
-    real = checkpoints._atomic_write_text
+    real = checkpoints.atomic_write
 
-    def half_write(target: Path, text: str) -> None:
-        with open(target.with_name(f".{target.name}.tmp-00ff"), "w") as handle:
-            handle.write(text[:3])
+    def half_write(path: Path, write: Any) -> None:
+        if Path(path).name != "newest":
+            return real(path, write)
+        with open(Path(path).with_name(".newest.tmp-00ff"), "wb") as handle:
+            handle.write(b"nex")  # a kill in the middle of writing the new pointer
         raise OSError("killed")
 
-    monkeypatch.setattr(checkpoints, "_atomic_write_text", half_write)
+    monkeypatch.setattr(checkpoints, "atomic_write", half_write)
     with pytest.raises(CheckpointError, match="killed"):
         smp.save_checkpoint(tmp_path, "next", model=model, user_content="next")
-    monkeypatch.setattr(checkpoints, "_atomic_write_text", real)
+    monkeypatch.setattr(checkpoints, "atomic_write", real)
     assert read_newest(tmp_path) == ["good_partial"]
     assert smp.resume_from_checkpoint(tmp_path) == "good"
     assert smp.resume_from_checkpoint(tmp_path, "next") == "next"  # published, just not the newest yet

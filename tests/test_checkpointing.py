@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import causal_mask, lm_loss, make_batches, make_model, reference_training
+from models import causal_mask, lm_loss, make_model, place_blocks_by_stage, reference_training, train_smp
 from smp_compat.testing import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 8
@@ -18,9 +18,7 @@ def _train(config: dict, how: str) -> dict:
     smp.init(config)
     model = smp.DistributedModel(make_model())
     if smp.pp_size() > 1:
-        for i, block in enumerate(model.module.blocks):
-            smp.set_partition(block, 0 if i < 2 else 1)
-        smp.set_partition(model.module.ln_f, 1)
+        place_blocks_by_stage(smp, model)
     if how == "mark":
         for block in model.module.blocks:
             smp.set_activation_checkpointing(block)
@@ -41,14 +39,7 @@ def _train(config: dict, how: str) -> dict:
         model.backward(loss)
         return loss
 
-    per_rank = GLOBAL_BATCH // smp.dp_size()
-    lo = smp.dp_rank() * per_rank
-    losses = []
-    for x, y in make_batches(STEPS, GLOBAL_BATCH):
-        opt.zero_grad()
-        out = train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank])
-        opt.step()
-        losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / smp.dp_size())
+    losses = train_smp(smp, model, opt, train_step, STEPS, GLOBAL_BATCH)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.local_named_parameters()}}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models import causal_mask, lm_loss, make_batches, make_model, reference_training
+from models import causal_mask, lm_loss, make_batches, make_model, place_blocks_by_stage, reference_training
 from smp_compat.testing import run_ranks
 
 STEPS, BATCH = 3, 8
@@ -16,9 +16,7 @@ def _run(path: str, steps: range, save_after: int | None, resume: bool) -> dict[
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "auto_partition": False, "default_partition": 0,
               "deterministic_server": True})  # fmt: skip
     model = smp.DistributedModel(make_model())
-    for i, block in enumerate(model.module.blocks):
-        smp.set_partition(block, 0 if i < 2 else 1)
-    smp.set_partition(model.module.ln_f, 1)
+    place_blocks_by_stage(smp, model)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     if resume:
         smp.resume_from_checkpoint(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models import causal_mask, lm_loss, make_batches, make_model, reference_training
+from models import lm_train_step, make_model, reference_training, train_smp
 from smp_compat.testing import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 16
@@ -16,23 +16,7 @@ def _train_dp(microbatches: int, steps: int = STEPS, global_batch: int = GLOBAL_
     smp.init({"microbatches": microbatches, "ddp": True})
     model = smp.DistributedModel(make_model())
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-    mask = causal_mask(8)
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x, attention_mask=mask), y)
-        model.backward(loss)
-        return loss
-
-    per_rank = global_batch // smp.dp_size()
-    lo = smp.dp_rank() * per_rank
-    losses = []
-    for x, y in make_batches(steps, global_batch):
-        opt.zero_grad()
-        out = train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank])
-        opt.step()
-        local = out.reduce_mean().item()
-        losses.append(sum(smp.allgather(local, smp.DP_GROUP)) / smp.dp_size())
+    losses = train_smp(smp, model, opt, lm_train_step(smp), steps, global_batch)
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 

@@ -5,19 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import causal_mask, lm_loss, make_batches, make_model, reference_training
+from models import lm_train_step, make_model, place_blocks_by_stage, reference_training, train_smp
 from smp_compat.testing import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 8
-
-
-def _place_manually(smp, model, pp: int) -> None:
-    """Non-contiguous placement: embedding and tied head on rank 0, later blocks and ln_f on the last ranks."""
-    blocks = model.module.blocks
-    per = len(blocks) // pp
-    for i, block in enumerate(blocks):
-        smp.set_partition(block, min(i // per, pp - 1))
-    smp.set_partition(model.module.ln_f, pp - 1)
 
 
 def _train_pipeline(config: dict, manual: bool) -> dict:
@@ -26,25 +17,9 @@ def _train_pipeline(config: dict, manual: bool) -> dict:
     smp.init(config)
     model = smp.DistributedModel(make_model())
     if manual:
-        _place_manually(smp, model, smp.pp_size())
+        place_blocks_by_stage(smp, model)  # non-contiguous: rank 0 -> later ranks -> rank 0 (tied head)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-    mask = causal_mask(8)
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x, attention_mask=mask), y)
-        model.backward(loss)
-        return loss
-
-    per_rank = GLOBAL_BATCH // smp.dp_size()
-    lo = smp.dp_rank() * per_rank
-    losses = []
-    for x, y in make_batches(STEPS, GLOBAL_BATCH):
-        opt.zero_grad()
-        out = train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank])
-        opt.step()
-        local = out.reduce_mean().item()
-        losses.append(sum(smp.allgather(local, smp.DP_GROUP)) / smp.dp_size())
+    losses = train_smp(smp, model, opt, lm_train_step(smp), STEPS, GLOBAL_BATCH)
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
     return {"losses": losses, "params": params, "pp_rank": smp.pp_rank()}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models import causal_mask, lm_loss, make_batches, make_model
+from models import causal_mask, lm_loss, make_batches, make_model, place_blocks_by_stage
 from smp_compat.testing import run_ranks
 
 MICROBATCHES, BATCH, SEQ, WIDTH = 4, 8, 8, 16
@@ -14,9 +14,7 @@ def _bytes_per_step() -> list[int]:
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
               "default_partition": 0})  # fmt: skip
     model = smp.DistributedModel(make_model())
-    for i, block in enumerate(model.module.blocks):  # blocks 2, 3 and ln_f on rank 1; the tied head on rank 0
-        smp.set_partition(block, 0 if i < 2 else 1)
-    smp.set_partition(model.module.ln_f, 1)
+    place_blocks_by_stage(smp, model)  # blocks 2, 3 and ln_f on rank 1; the tied head on rank 0
     mask = causal_mask(SEQ)
 
     @smp.step

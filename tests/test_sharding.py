@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import causal_mask, lm_loss, make_batches, make_model, reference_training
+from models import lm_train_step, make_model, place_blocks_by_stage, reference_training, train_smp
 from smp_compat.testing import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 8
@@ -18,24 +18,9 @@ def _train(pp: int, shard: bool) -> dict:
               "auto_partition": False, "default_partition": 0})  # fmt: skip
     model = smp.DistributedModel(make_model())
     if pp > 1:
-        for i, block in enumerate(model.module.blocks):
-            smp.set_partition(block, 0 if i < 2 else 1)
-        smp.set_partition(model.module.ln_f, 1)
+        place_blocks_by_stage(smp, model)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-    mask = causal_mask(8)
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x, attention_mask=mask), y)
-        model.backward(loss)
-        return loss
-
-    per_rank = GLOBAL_BATCH // smp.dp_size()
-    lo = smp.dp_rank() * per_rank
-    for x, y in make_batches(STEPS, GLOBAL_BATCH):
-        opt.zero_grad()
-        train_step(model, x[lo : lo + per_rank], y[lo : lo + per_rank])
-        opt.step()
+    train_smp(smp, model, opt, lm_train_step(smp), STEPS, GLOBAL_BATCH)
     state_elems = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     local_elems = sum(p.numel() for p in model.local_parameters())
     return {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
