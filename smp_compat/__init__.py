@@ -96,7 +96,9 @@ __all__ = [
     "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",
     "broadcast", "send", "recv_from", "allgather", "gather", "barrier",
     "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
-    "save", "load", "save_checkpoint", "resume_from_checkpoint", "amp", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
+    "save", "load", "save_checkpoint", "resume_from_checkpoint",
+    "amp", "patches", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
+    "model_creation", "delay_param_initialization",
     "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
     "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
 ]  # fmt: skip

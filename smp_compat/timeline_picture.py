@@ -270,7 +270,7 @@ def _axis(picture: Picture, width: int, indent: int) -> Text:
 
 def _stats_table(picture: Picture) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("rank", "forward", "backward", "idle (waiting)", "not computing", f"ideal bubble"):
+    for column in ("rank", "forward", "backward", "idle (waiting)", "not computing", "ideal bubble"):
         table.add_column(column, justify="right")
     for lane in picture.lanes:
         table.add_row(

@@ -42,7 +42,7 @@ from smp_compat.runtime.remote import (
     set_context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
-from smp_compat.runtime.tasks import Fatal, Scheduler, Task
+from smp_compat.runtime.tasks import Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.serialize import broadcast_object
 from smp_compat.globalstate import state

@@ -10,7 +10,6 @@ microbatch while the step runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
