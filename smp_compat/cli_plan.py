@@ -28,6 +28,7 @@ from smp_compat.config import SMPConfig, extract_mp_parameters, resolve_config
 from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import state
 from smp_compat.partitioning import PartitionPlan, auto_plan, clear_records, manual_plan, trace_modules, validate_plan
+from smp_compat.partitioning.plan import human_bytes
 from smp_compat.partitioning.trace import TraceResult
 from smp_compat.topology import Topology
 
@@ -303,22 +304,13 @@ def _read_config(value: str | None) -> dict[str, Any]:
     return extract_mp_parameters(raw)
 
 
-def _human(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
-
-
 def _rank_table(result: PlanResult) -> Table:
     total = sum(r.cost for r in result.ranks) or 1.0
     table = Table(title="Per pipeline rank")
     for column in ("rank", "modules with state", "parameters", "parameter bytes", "est. cost", "share"):
         table.add_column(column, justify="right")
     for r in result.ranks:
-        table.add_row(str(r.rank), str(r.modules), f"{r.parameters:,}", _human(r.parameter_bytes), f"{r.cost:.3f}",
+        table.add_row(str(r.rank), str(r.modules), f"{r.parameters:,}", human_bytes(r.parameter_bytes), f"{r.cost:.3f}",
                       f"{r.cost / total:.0%}")  # fmt: skip
     return table
 

@@ -11,6 +11,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)
+def _restore_environ():
+    """smp.init exports RANK/WORLD_SIZE/LOCAL_RANK (as SMP did); keep them from leaking into other tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _reset_smp_state():
     from smp_compat.globalstate import reset
 

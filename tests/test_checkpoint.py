@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,6 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 N_STEPS, K_STEPS, GLOBAL_BATCH = 4, 2, 8
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    """smp.init exports RANK/WORLD_SIZE/LOCAL_RANK; keep them from leaking into other tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _names(directory: Path) -> list[str]:

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,6 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # import torch._d
 KILLS = 6
 WIDTH = 1536  # 1536 x 1536 floats: a 9 MiB model file, so a kill usually lands inside a write
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _model() -> nn.Module:

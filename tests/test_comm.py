@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,14 +27,6 @@ EXPECTED_GROUPS = {  # (DP group, PP group) of each rank, ordered by group rank
     "spread": {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])},
 }
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    """smp.init exports RANK/WORLD_SIZE/LOCAL_RANK; keep them from leaking into other tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _init_pp2(placement: str, ddp: bool = True) -> None:

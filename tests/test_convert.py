@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +23,6 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # import torch._d
 
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False, "default_partition": 0}
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 # ---------------------------------------------------------------------------- our own checkpoints (pp = 2)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,14 +56,6 @@ def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    """smp.init exports RANK/WORLD_SIZE/LOCAL_RANK; keep them from leaking into other tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @smp.step

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,6 @@ class Opaque:
     def __init__(self, value: int) -> None:
         self.value = value
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    """smp.init exports RANK/WORLD_SIZE/LOCAL_RANK; keep them from leaking into other tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _names(directory: Path) -> list[str]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,14 +23,6 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
 BATCH = 4
 
-
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    """smp.init exports RANK/WORLD_SIZE/LOCAL_RANK; keep them from leaking into other tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 # ---------------------------------------------------------------------------- rank-side helpers

@@ -166,7 +166,7 @@ class PartitionPlan:
             table.add_row(_display(name), str(rank), f"{count:,}", "-" if cost is None else f"{cost:.4f}")
         counts, sizes = self._param_totals(root)
         table.caption = "per rank: " + "; ".join(
-            f"{r}: {c:,} parameters ({_human_bytes(b)})" for r, (c, b) in enumerate(zip(counts, sizes, strict=True))
+            f"{r}: {c:,} parameters ({human_bytes(b)})" for r, (c, b) in enumerate(zip(counts, sizes, strict=True))
         )
         return table
 
@@ -208,7 +208,8 @@ def _as_int(value: Any, what: str) -> int:
     return value
 
 
-def _human_bytes(count: int) -> str:
+def human_bytes(count: int) -> str:
+    """1234567 -> '1.2 MiB' (tables of the plan and of `smp-compat plan`)."""
     size = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
