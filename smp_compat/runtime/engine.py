@@ -8,7 +8,6 @@ serves calls to the modules it owns. Calls, replies and gradients travel as mess
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import logging
 import traceback
@@ -17,14 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from rich.console import Console
 from torch import nn
 
 from smp_compat import failure, timeline
 from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
 from smp_compat.errors import RemoteError, StepUsageError
-from smp_compat.creation import is_delayed, materialize_local
-from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
+from smp_compat.creation import materialize_local
+from smp_compat.partitioning import PartitionPlan
 from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
@@ -42,20 +40,17 @@ from smp_compat.runtime.remote import (
     set_context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
-from smp_compat.runtime.tasks import Scheduler, Task
+from smp_compat.runtime.microbatches import StepRun
+from smp_compat.runtime.planning import decide_plan, render_plan
+from smp_compat.runtime.tasks import BACKWARD, CONTINUE, FORWARD, SERVE, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
-from smp_compat.serialize import broadcast_object
 from smp_compat.globalstate import state
-from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch, tracing_call
+from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch
 
 __all__ = ["PipelineEngine"]
 
 log = logging.getLogger("smp_compat")
 
-# Task priority classes, lowest first. A task resuming after a remote forward reply is on the
-# critical path (it computes what another rank waits for: the next hop, or the loss whose gradient
-# starts that rank's backward), then backward work (frees memory, 1F1B), then new forward work.
-_CONTINUE, _BACKWARD, _SERVE, _FORWARD = 0, 1, 1, 2
 
 
 class PipelineEngine:
@@ -63,7 +58,7 @@ class PipelineEngine:
 
     @classmethod
     def create(cls, model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PipelineEngine:
-        plan = _decide_plan(model, step_fn, microbatches)
+        plan = decide_plan(model, step_fn, microbatches)
         return cls(model, plan)
 
     def __init__(self, model: Any, plan: PartitionPlan) -> None:
@@ -100,11 +95,11 @@ class PipelineEngine:
             if state.cfg.deterministic_server
             else None
         )
-        self._step: _StepRun | None = None
+        self._step: StepRun | None = None
         self._end_step: Message | None = None
         self._closed = False
         if self.rank == 0:
-            log.info("Partition plan (%s):\n%s", plan.method, _render(plan, self.root))
+            log.info("Partition plan (%s):\n%s", plan.method, render_plan(plan, self.root))
 
     # ------------------------------------------------------------------ ownership
     def is_local_module(self, module: nn.Module) -> bool:
@@ -256,7 +251,7 @@ class PipelineEngine:
         if ctx is None:
             raise StepUsageError(f"{what} is needed outside a microbatch of an @smp.step function.")
         self._waiting[key] = ctx.task
-        priority, ctx.task.priority = ctx.task.priority, (_CONTINUE, ctx.microbatch)
+        priority, ctx.task.priority = ctx.task.priority, (CONTINUE, ctx.microbatch)
         try:
             return self.scheduler.block(ctx.task, what)
         finally:
@@ -360,9 +355,9 @@ class PipelineEngine:
         if kind in ("fwd_ok", "fwd_err", "got"):
             self.scheduler.wake(self._waiting.pop(meta.get("call", meta.get("req"))), message)
         elif kind == "fwd":
-            self._spawn(message, _FORWARD, self._serve_forward)
+            self._spawn(message, FORWARD, self._serve_forward)
         elif kind == "bwd":
-            self._spawn(message, _BACKWARD, self._serve_backward)
+            self._spawn(message, BACKWARD, self._serve_backward)
         elif kind == "get":
             self._serve_get(message)
         elif kind in ("bwd_ok", "bwd_err"):
@@ -395,8 +390,8 @@ class PipelineEngine:
         """Served requests run in arrival order: pp_rank 0's priorities already chose that order, and
         reordering here (say, backward first) delays forward replies that rank 0 waits on for its loss."""
         mb = message.meta["mb"]
-        task = Task(f"serve-{'fwd' if phase == _FORWARD else 'bwd'}-mb{mb}", None, (_SERVE, next(self._arrivals)), mb)
-        task.phase = "forward" if phase == _FORWARD else "backward"
+        task = Task(f"serve-{'fwd' if phase == FORWARD else 'bwd'}-mb{mb}", None, (SERVE, next(self._arrivals)), mb)
+        task.phase = "forward" if phase == FORWARD else "backward"
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
 
@@ -480,7 +475,7 @@ class PipelineEngine:
         return outputs
 
     def _drive_step(self, root: Task, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
-        run = _StepRun(self, step_fn, call, microbatches, root)
+        run = StepRun(self, step_fn, call, microbatches, root)
         self._step = run
         run.start_more()
         self.scheduler.block(root, "microbatches of this step to finish", expects_reply=False)
@@ -509,86 +504,7 @@ class PipelineEngine:
         return self.transport.payload_bytes
 
 
-class _StepRun:
-    """The microbatch tasks of one step call on pp_rank 0, started within the active limit."""
-
-    def __init__(self, engine: PipelineEngine, step_fn: Any, call: StepCall, microbatches: list, root: Task) -> None:
-        self.engine = engine
-        self.step_fn = step_fn
-        self.call = call
-        self.microbatches = microbatches
-        self.root = root
-        self.outputs: list[Any] = [None] * len(microbatches)
-        self.next_mb = 0
-        self.running = 0
-        self.finished = 0
-        self.in_backward = 0
-        self.simple = engine.cfg.pipeline == "simple"
-        self.limit = engine.cfg.active_microbatches
-        self.simple_waiters: list[Task] = []
-
-    def start_more(self) -> None:
-        while self.next_mb < len(self.microbatches) and self.running < self.limit:
-            mb = self.next_mb
-            self.next_mb += 1
-            self.running += 1
-            task = Task(f"microbatch-{mb}", None, (_FORWARD, mb), mb)
-            task.fn = self._body(task, mb)
-            task.on_done = self._done
-            self.engine.scheduler.spawn(task)
-
-    def _body(self, task: Task, mb: int) -> Callable[[], Any]:
-        def run() -> Any:
-            set_context(Context(task, mb))
-            try:
-                args, kwargs = self.microbatches[mb]
-                return _materialized(self.step_fn.run_microbatch(mb, args, kwargs, self.call))
-            finally:
-                self.engine._end_microbatch(mb)
-                set_context(None)
-
-        return run
-
-    def enter_backward(self, task: Task) -> None:
-        """Backward work gets priority; with the simple pipeline it waits until every forward is done."""
-        self.in_backward += 1
-        if self.simple:
-            self._release_simple_waiters()
-            while self.in_backward + self.finished < len(self.microbatches):
-                self.simple_waiters.append(task)
-                self.engine.scheduler.block(task, "every microbatch's forward (simple pipeline)", expects_reply=False)
-        task.priority = (_BACKWARD, task.microbatch)
-        task.phase = "backward"
-
-    def _release_simple_waiters(self) -> None:
-        if self.in_backward + self.finished >= len(self.microbatches):
-            for waiter in self.simple_waiters:
-                self.engine.scheduler.wake(waiter)
-            self.simple_waiters.clear()
-
-    def _done(self, task: Task) -> None:
-        if task.error is not None:
-            self.engine.scheduler.fail(task.error)
-            return
-        self.outputs[task.microbatch] = task.result
-        self.running -= 1
-        self.finished += 1
-        if self.simple:
-            self._release_simple_waiters()
-        self.start_more()
-        if self.finished == len(self.microbatches):
-            self.engine.scheduler.wake(self.root)
-
-
 # ---------------------------------------------------------------------- helpers
-def _materialized(value: Any) -> Any:
-    """Step outputs leave the microbatch: bring any result that stayed remote here."""
-    skeleton, tensors = flatten_tensors(value)
-    if not any(isinstance(t, RemoteTensor) for t in tensors):
-        return value
-    return fill_tensors(skeleton, [t.materialize() if isinstance(t, RemoteTensor) else t for t in tensors])
-
-
 _ANCHOR: list[torch.Tensor] = []
 
 
@@ -655,35 +571,3 @@ def _sequential_forward(engine: PipelineEngine, index: int) -> Callable[..., Any
         return x
 
     return forward
-
-
-def _decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PartitionPlan:
-    """Global rank 0 traces (auto) or reads the manual assignment, then every rank gets the same plan."""
-    cfg = state.cfg
-    plan_dict = None
-    if state.rank == 0:
-        root = model.module
-        if cfg.auto_partition and is_delayed(root):
-            log.info("parameters are not materialized yet (delayed initialization): partitioning without a trace")
-            plan = auto_plan(root, TraceResult(), cfg.pipeline_parallel_degree, cfg.memory_weight)
-        elif cfg.auto_partition:
-            if not microbatches:
-                raise StepUsageError("automatic partitioning needs the step inputs on rank 0")
-            args, kwargs = microbatches[0]
-            with tracing_call(len(microbatches)) as call:
-                trace = trace_modules(
-                    root, lambda: step_fn.run_microbatch(0, args, kwargs, call), measure_time=model.trace_execution_times
-                )
-            plan = auto_plan(root, trace, cfg.pipeline_parallel_degree, cfg.memory_weight)
-        else:
-            plan = manual_plan(root, cfg.pipeline_parallel_degree, cfg.default_partition)
-        validate_plan(root, plan)
-        plan_dict = plan.to_dict()
-    plan_dict = broadcast_object(plan_dict, src=0)
-    return PartitionPlan.from_dict(plan_dict)
-
-
-def _render(plan: PartitionPlan, root: nn.Module) -> str:
-    console = Console(width=120, file=io.StringIO())
-    console.print(plan.render(root))
-    return console.file.getvalue()

@@ -22,7 +22,13 @@ import torch
 from smp_compat import timeline
 from smp_compat.errors import SMPTimeoutError
 
-__all__ = ["Task", "Scheduler", "Fatal"]
+__all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "BACKWARD", "SERVE", "FORWARD"]
+
+# Priority classes, lowest first. A task resuming after a remote forward reply is on the critical path (it
+# computes what another rank waits for: the next hop, or the loss whose gradient starts that rank's
+# backward); then backward work (frees memory, 1F1B) and served requests (in arrival order); then new
+# forward work.
+CONTINUE, BACKWARD, SERVE, FORWARD = 0, 1, 1, 2
 
 log = logging.getLogger("smp_compat")
 

@@ -1,0 +1,53 @@
+"""The partition plan of the first step: traced or manual on global rank 0, broadcast to every rank."""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+from rich.console import Console
+from torch import nn
+
+from smp_compat.creation import is_delayed
+from smp_compat.errors import StepUsageError
+from smp_compat.globalstate import state
+from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
+from smp_compat.serialize import broadcast_object
+from smp_compat.stepping import tracing_call
+
+__all__ = ["decide_plan", "render_plan"]
+
+log = logging.getLogger("smp_compat")
+
+
+def decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PartitionPlan:
+    """Global rank 0 traces (auto) or reads the manual assignment, then every rank gets the same plan."""
+    cfg = state.cfg
+    plan_dict = None
+    if state.rank == 0:
+        root = model.module
+        if cfg.auto_partition and is_delayed(root):
+            log.info("parameters are not materialized yet (delayed initialization): partitioning without a trace")
+            plan = auto_plan(root, TraceResult(), cfg.pipeline_parallel_degree, cfg.memory_weight)
+        elif cfg.auto_partition:
+            if not microbatches:
+                raise StepUsageError("automatic partitioning needs the step inputs on rank 0")
+            args, kwargs = microbatches[0]
+            with tracing_call(len(microbatches)) as call:
+                trace = trace_modules(
+                    root, lambda: step_fn.run_microbatch(0, args, kwargs, call), measure_time=model.trace_execution_times
+                )
+            plan = auto_plan(root, trace, cfg.pipeline_parallel_degree, cfg.memory_weight)
+        else:
+            plan = manual_plan(root, cfg.pipeline_parallel_degree, cfg.default_partition)
+        validate_plan(root, plan)
+        plan_dict = plan.to_dict()
+    plan_dict = broadcast_object(plan_dict, src=0)
+    return PartitionPlan.from_dict(plan_dict)
+
+
+def render_plan(plan: PartitionPlan, root: nn.Module) -> str:
+    console = Console(width=120, file=io.StringIO())
+    console.print(plan.render(root))
+    return console.file.getvalue()
