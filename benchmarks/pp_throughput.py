@@ -32,6 +32,7 @@ from pp_workload import (  # noqa: E402
     TORCH_VARIANTS,
     SmpRunner,
     TorchRunner,
+    bind_to_core,
     make_batches,
     preload,
 )
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each variant before the first round")
     p.add_argument("--timeline-steps", type=int, default=4, help="steps per smp variant recorded for idle fraction")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--bind", action="store_true", help="bind each rank (all its threads) to a core of its own")
     p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the 2-rank job, seconds")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     args = p.parse_args(argv)
@@ -135,6 +137,8 @@ def _idle_and_breakdown(smp_runner: SmpRunner, variant: str, batches: list, step
 
 def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
     """Build both libraries once, check they compute the same first step, then alternate rounds."""
+    if args.bind:
+        bind_to_core(dist.get_rank())
     smp_runner = SmpRunner.create(args.width, args.layers, args.microbatches)
     runners: dict[str, Any] = {v: smp_runner for v in SMP_VARIANTS}
     for v in TORCH_VARIANTS:
@@ -204,7 +208,7 @@ def _throughput_table(result: Result) -> Table:
     table = Table(
         title=f"pp=2 throughput: MLP width {a['width']} x {a['layers']} layers split {a['layers'] // 2}|"
         f"{a['layers'] - a['layers'] // 2}, batch {a['batch']}, microbatches {a['microbatches']}, "
-        f"{a['rounds']} rounds x {a['steps']} steps, {a['threads']} thread(s)/rank, CPU gloo"
+        f"{a['rounds']} rounds x {a['steps']} steps, {a['threads']} thread(s)/rank{', ranks bound to cores' if a.get('bind') else ''}, CPU gloo"
     )
     for col in ("variant", "samples/s", "/ 1F1B", "/ GPipe", "CPU ms/step r0", "r1", "faults/step r0", "r1"):
         table.add_column(col, justify="left" if col == "variant" else "right")

@@ -30,6 +30,7 @@ __all__ = [
     "TORCH_VARIANTS",
     "SmpRunner",
     "TorchRunner",
+    "bind_to_core",
     "make_batches",
     "make_mlp",
     "preload",
@@ -55,6 +56,23 @@ def preload() -> None:
     import torch.distributed.pipelining  # noqa: F401
 
     _sgd([torch.zeros(1, requires_grad=True)])
+
+
+def bind_to_core(rank: int) -> None:
+    """Keep every thread of this rank (those running and those it starts later) on one core of its own.
+
+    Both libraries get the same binding (they share the rank's process). Unbound, the OS moves threads
+    between the two cores of this machine, and a thread woken on the core where the other rank computes
+    shares that core until the next load balance: that cost lands mostly on a runtime that hands work
+    between threads, which smp_compat's tasks do and torch's single-threaded schedules do not.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[rank % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def split_index(layers: int) -> int:

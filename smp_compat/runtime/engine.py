@@ -42,7 +42,7 @@ from smp_compat.runtime.remote import (
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
-from smp_compat.runtime.tasks import BACKWARD, CONTINUE, FORWARD, SERVE, Scheduler, Task
+from smp_compat.runtime.tasks import CONTINUE, SERVE_BACKWARD, SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.globalstate import state
 from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch
@@ -355,9 +355,9 @@ class PipelineEngine:
         if kind in ("fwd_ok", "fwd_err", "got"):
             self.scheduler.wake(self._waiting.pop(meta.get("call", meta.get("req"))), message)
         elif kind == "fwd":
-            self._spawn(message, FORWARD, self._serve_forward)
+            self._spawn(message, SERVE_FORWARD, self._serve_forward)
         elif kind == "bwd":
-            self._spawn(message, BACKWARD, self._serve_backward)
+            self._spawn(message, SERVE_BACKWARD, self._serve_backward)
         elif kind == "get":
             self._serve_get(message)
         elif kind in ("bwd_ok", "bwd_err"):
@@ -387,11 +387,12 @@ class PipelineEngine:
         self._send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
 
     def _spawn(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
-        """Served requests run in arrival order: pp_rank 0's priorities already chose that order, and
-        reordering here (say, backward first) delays forward replies that rank 0 waits on for its loss."""
+        """A task for a served request: forwards before backwards (a forward reply is what rank 0 waits
+        on for its loss), each kind in arrival order."""
         mb = message.meta["mb"]
-        task = Task(f"serve-{'fwd' if phase == FORWARD else 'bwd'}-mb{mb}", None, (SERVE, next(self._arrivals)), mb)
-        task.phase = "forward" if phase == FORWARD else "backward"
+        forward = phase == SERVE_FORWARD
+        task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (phase, next(self._arrivals)), mb)
+        task.phase = "forward" if forward else "backward"
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
 

@@ -1,9 +1,12 @@
 """Cooperative tasks: one thread per task, exactly one of them running at a time.
 
 Tasks run on a pool of long-lived worker threads. A task runs until it must wait for another rank;
-then it picks the next task by priority and hands over the baton itself (no scheduler thread in between), or, if nothing can run, serves
-incoming messages until something can. Free-running threads sharing a lock measured about 0.7x
-of torch's Schedule1F1B here; explicit hand-over is what makes the eager design fast.
+then it picks the next task by priority and hands over the baton itself (no scheduler thread in
+between), or, if nothing can run, serves incoming messages until something can. A thread whose task
+ended runs the next new task itself, so a rank that only serves computes on one thread. Free-running
+threads sharing a lock measured about 0.7x of torch's Schedule1F1B here; explicit hand-over is what
+makes the eager design fast, and every hand-over avoided counts: a woken thread may land on a core
+that another rank keeps busy.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import torch
 from smp_compat import timeline
 from smp_compat.errors import SMPTimeoutError
 
-__all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "BACKWARD", "SERVE", "FORWARD"]
+__all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "SERVE_FORWARD", "FORWARD", "SERVE_BACKWARD", "BACKWARD"]
 
-# Priority classes, lowest first. A task resuming after a remote forward reply is on the critical path (it
-# computes what another rank waits for: the next hop, or the loss whose gradient starts that rank's
-# backward); then backward work (frees memory, 1F1B) and served requests (in arrival order); then new
-# forward work.
-CONTINUE, BACKWARD, SERVE, FORWARD = 0, 1, 1, 2
+# Priority classes, lowest first. Rank 0 must compute each loss (and send its gradient) as soon as the
+# forward reply is in, and the last rank must never run dry: so a task resuming after a remote forward
+# reply comes first, then served forward requests, then a new microbatch's forward, and backward work
+# last (served requests in arrival order). The in-flight limit (active_microbatches) bounds memory
+# whatever the order; with backward first, rank 0's long backward segments delayed the forwards that feed
+# the next rank (measured and simulated in docs/benchmarks.md).
+CONTINUE, SERVE_FORWARD, FORWARD, SERVE_BACKWARD, BACKWARD = 0, 1, 2, 3, 4
 
 log = logging.getLogger("smp_compat")
 
@@ -92,6 +97,7 @@ class Scheduler:
     def adopt(self, name: str) -> Task:
         """Make the calling thread (the one in the step call) the root task; it holds the baton."""
         self.root = Task(name, None, (-1,))
+        self.root.started = True  # it runs in its own thread already
         self.tasks.append(self.root)
         return self.root
 
@@ -102,9 +108,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ used by the baton holder
     def spawn(self, task: Task) -> None:
-        """Add a new runnable task; a pooled worker thread takes it but runs it only when picked."""
+        """Add a new runnable task; it gets a thread when it is first picked."""
         task.runnable = True
         self.tasks.append(task)
+
+    def _start_on_worker(self, task: Task) -> None:
         try:
             worker = self._idle_workers.get_nowait()
         except queue.Empty:
@@ -127,7 +135,8 @@ class Scheduler:
             task = inbox.get()
             if task is None:
                 return
-            self._thread_main(task)
+            while task is not None:
+                task = self._run_task(task)
             self._idle_workers.put(inbox)
 
     def close(self) -> None:
@@ -150,9 +159,8 @@ class Scheduler:
         return self._pass_baton(me)
 
     # ------------------------------------------------------------------ internals
-    def _thread_main(self, task: Task) -> None:
-        task.go.wait()
-        task.go.clear()
+    def _run_task(self, task: Task) -> Task | None:
+        """Run a task that was just picked; returns a new task this (now free) thread runs next, if any."""
         task.resumed_at = timeline.now()
         try:
             task.result = task.fn()  # type: ignore[misc]
@@ -165,7 +173,7 @@ class Scheduler:
                 task.on_done(task)
         except BaseException as exc:  # noqa: BLE001 - the root task raises it
             self.fail(exc)
-        self._pass_baton(task)
+        return self._pass_baton(task)
 
     def fail(self, exc: BaseException) -> None:
         """Wake the root task with ``exc``, which it raises in the thread that called the step."""
@@ -198,8 +206,13 @@ class Scheduler:
             nxt.runnable = False
             if nxt is me:
                 return self._resume(me)
-            nxt.started = True
-            nxt.go.set()
+            if nxt.started:
+                nxt.go.set()
+            else:
+                nxt.started = True
+                if me.done:
+                    return nxt  # this thread is free: it runs the new task itself (no hand-over)
+                self._start_on_worker(nxt)
             if me.done:
                 return None
             me.go.wait()

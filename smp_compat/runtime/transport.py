@@ -1,8 +1,8 @@
 """Ordered message channels between the ranks of a pipeline group, over torch.distributed p2p.
 
-One process group per (sender, receiver) direction, one sender and one receiver thread per peer:
-sends and receives match by order on their own channel, never by timing or tags (NCCL has none),
-and the compute thread never blocks on a send.
+One process group per (sender, receiver) direction: sends and receives match by order on their own
+channel, never by timing or tags (NCCL has none). Sends start asynchronously from the calling thread,
+which never waits for a transfer; one receiver thread per peer delivers what arrives.
 
 A message (pickled kind, metadata and tensor specs, then the tensors' bytes) is packed into ONE
 buffer. On gloo each extra send cost ~2 ms here (a message that arrives before its receive is
@@ -14,9 +14,10 @@ exact sizes: there a fixed-size head goes first, then the rest of the packed buf
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import math
 import pickle
-import queue
 import struct
 import threading
 from collections.abc import Callable
@@ -68,24 +69,46 @@ def pack(
     """One uint8 buffer: total and header lengths, the pickled header, then each tensor's bytes, aligned.
 
     Written into ``into`` (a reusable buffer, grown when too small) when given; returns the used prefix.
+    On CPU the bytes move with ``memmove`` (no tensor operations: a message costs microseconds, not tens).
     """
     offsets, offset = [], 0
     for t in tensors:
         offsets.append(offset)
-        offset += _aligned(t.numel() * t.element_size())
+        offset += _aligned(_nbytes(t))
     specs = [(tuple(t.shape), t.dtype, o) for t, o in zip(tensors, offsets)]
-    header = _LENGTHS.pack(0, 0) + pickle.dumps((kind, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
-    header_len = len(header) - _LENGTHS.size
-    start = _aligned(len(header))
+    header = pickle.dumps((kind, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    start = _aligned(_LENGTHS.size + len(header))
     total = max(start + offset, HEADER_BYTES)
-    header = _LENGTHS.pack(total, header_len) + header[_LENGTHS.size :]
+    head = _LENGTHS.pack(total, len(header)) + header
     buf = into[:total] if into is not None and into.numel() >= total else torch.empty(total, dtype=torch.uint8, device=device)
-    buf[: len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    if buf.device.type == "cpu":
+        base = buf.data_ptr()
+        ctypes.memmove(base, head, len(head))
+        for t, o in zip(tensors, offsets):
+            _copy_into(base + start + o, t)
+        return buf
+    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)
     for t, o in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         if n:
             buf[start + o : start + o + n].view(t.dtype).view(t.shape).copy_(t)
     return buf
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.dtype.itemsize
+
+
+def _copy_into(address: int, t: torch.Tensor) -> None:
+    """CPU tensor bytes to ``address``: memmove when contiguous, else through a strided view."""
+    n = _nbytes(t)
+    if not n:
+        return
+    if t.device.type == "cpu" and t.is_contiguous():
+        ctypes.memmove(address, t.data_ptr(), n)
+        return
+    staged = t.detach().to("cpu").contiguous()
+    ctypes.memmove(address, staged.data_ptr(), n)
 
 
 def _lengths(buf: torch.Tensor) -> tuple[int, int]:
@@ -97,19 +120,45 @@ def _lengths(buf: torch.Tensor) -> tuple[int, int]:
 
 def unpack(buf: torch.Tensor, src: int, copy: bool = True) -> Message:
     """Inverse of ``pack``. ``copy``: the tensors own their memory (``buf`` is a reused receive buffer)."""
-    total, header_len = _lengths(buf)
+    if buf.device.type != "cpu":
+        return _unpack_device(buf, src, copy)
+    base = buf.data_ptr()
+    _, header_len = _LENGTHS.unpack(ctypes.string_at(base, _LENGTHS.size))
+    kind, meta, specs = pickle.loads(ctypes.string_at(base + _LENGTHS.size, header_len))
+    start = _aligned(_LENGTHS.size + header_len)
+    tensors = []
+    for shape, dtype, o in specs:
+        n = math.prod(shape) * dtype.itemsize
+        if copy or not n:
+            t = torch.empty(shape, dtype=dtype)
+            if n:
+                ctypes.memmove(t.data_ptr(), base + start + o, n)
+        else:
+            t = buf[start + o : start + o + n].view(dtype).view(shape)
+        tensors.append(t)
+    return Message(kind, src, meta, tensors)
+
+
+def _unpack_device(buf: torch.Tensor, src: int, copy: bool) -> Message:
+    _, header_len = _lengths(buf)
     kind, meta, specs = tensor_to_object(buf[_LENGTHS.size : _LENGTHS.size + header_len], header_len)
     start = _aligned(_LENGTHS.size + header_len)
     tensors = []
     for shape, dtype, o in specs:
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         t = buf[start + o : start + o + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype, device=buf.device)
         tensors.append(t.clone() if copy and n else t)
     return Message(kind, src, meta, tensors)
 
 
 class Transport:
-    """Send and receive ``Message``s with the other ranks of this rank's pipeline group."""
+    """Send and receive ``Message``s with the other ranks of this rank's pipeline group.
+
+    Sends go out from the calling thread as asynchronous p2p operations (their buffers are kept until
+    done and then reused); a receiver thread per peer delivers what arrives. On a machine whose cores
+    are busy computing, every thread that must wake up on a message's way adds latency, so a send wakes
+    none of ours.
+    """
 
     def __init__(
         self,
@@ -121,78 +170,60 @@ class Transport:
     ) -> None:
         self.rank = rank
         self.peers = peers
-        self.groups = groups
         self.device = device
         self.deliver = deliver
         self.exact_sizes = device.type != "cpu"  # NCCL: receive sizes must match the send
         self.payload_bytes = 0
         self.messages = 0
-        self._peer_capacity = {p: _INITIAL_CAPACITY for p in peers}
-        self._outboxes: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in peers}
+        self._outgoing = {p: _Outgoing(_Channel(groups[(rank, p)], p)) for p in peers}
         self._threads: list[threading.Thread] = []
         for peer in peers:
-            self._start(self._send_loop, peer, f"smp-send-{rank}->{peer}")
-            self._start(self._recv_loop, peer, f"smp-recv-{peer}->{rank}")
-
-    def _start(self, target: Callable[[int], None], peer: int, name: str) -> None:
-        thread = threading.Thread(target=target, args=(peer,), name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
+            channel = _Channel(groups[(peer, rank)], peer)
+            thread = threading.Thread(target=self._recv_loop, args=(peer, channel), name=f"smp-recv-{peer}->{rank}",
+                                      daemon=True)  # fmt: skip
+            thread.start()
+            self._threads.append(thread)
 
     def send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
-        """Queue a message for ``dst``; returns at once."""
+        """Pack and start sending a message to ``dst``; returns without waiting for the transfer."""
+        start = timeline.now()
         tensors = [t.detach() for t in tensors]
-        self.payload_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.payload_bytes += sum(_nbytes(t) for t in tensors)
         self.messages += 1
-        self._outboxes[dst].put((kind, meta or {}, tensors))
+        out = self._outgoing[dst]
+        with out.lock:
+            reuse = out.free_buffer()
+            buf = pack(kind, meta or {}, tensors, self.device, into=reuse)
+            whole = reuse if reuse is not None and buf.data_ptr() == reuse.data_ptr() else buf
+            if self.exact_sizes:
+                out.start(buf[:HEADER_BYTES], whole)
+                if buf.numel() > HEADER_BYTES:
+                    out.start(buf[HEADER_BYTES:], whole)
+            else:
+                if buf.numel() > out.peer_capacity:
+                    out.peer_capacity = max(buf.numel(), 2 * out.peer_capacity)
+                    announce = pack("capacity", {"bytes": out.peer_capacity}, [], self.device)
+                    out.start(announce, announce)
+                out.start(buf, whole)
+        _record(f"send->{dst}", kind, start)
 
     def close(self) -> None:
-        """Tell every peer we are done and wait for our threads (every pipeline rank calls this)."""
+        """Tell every peer we are done and wait for our sends and receiver threads (every pipeline rank calls this)."""
         for peer in self.peers:
-            self._outboxes[peer].put(("close", {}, []))
+            self.send(peer, "close")
+        for out in self._outgoing.values():
+            out.finish()
         for thread in self._threads:
             thread.join(timeout=10)
 
-    # ------------------------------------------------------------------ threads
-    def _send_loop(self, dst: int) -> None:
-        group = self.groups[(self.rank, dst)]
-        send_buffer = torch.empty(_INITIAL_CAPACITY, dtype=torch.uint8, device=self.device)
-        while True:
-            kind, meta, tensors = self._outboxes[dst].get()
-            start = timeline.now()
-            try:
-                buf = pack(kind, meta, tensors, self.device, into=send_buffer)
-                if buf.untyped_storage().data_ptr() != send_buffer.untyped_storage().data_ptr():
-                    send_buffer = buf  # grown: keep the larger one (dist.send returns once the data is out)
-                self._send_one(dst, group, buf)
-                _record(f"send->{dst}", kind, start)
-            except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
-                self.deliver(Message("transport_error", dst, {"error": f"sending to rank {dst}: {exc}"}))
-                return
-            if kind == "close":
-                return
-
-    def _send_one(self, dst: int, group: Any, buf: torch.Tensor) -> None:
-        if self.exact_sizes:
-            dist.send(buf[:HEADER_BYTES], dst, group=group)
-            if buf.numel() > HEADER_BYTES:
-                dist.send(buf[HEADER_BYTES:], dst, group=group)
-            return
-        if buf.numel() > self._peer_capacity[dst]:
-            grown = max(buf.numel(), 2 * self._peer_capacity[dst])
-            dist.send(pack("capacity", {"bytes": grown}, [], self.device), dst, group=group)
-            self._peer_capacity[dst] = grown
-        dist.send(buf, dst, group=group)
-
-    def _recv_loop(self, src: int) -> None:
-        group = self.groups[(src, self.rank)]
+    def _recv_loop(self, src: int, channel: _Channel) -> None:
         capacity = _INITIAL_CAPACITY
         receive_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         while True:
             try:
                 if receive_buffer.numel() < capacity:
                     receive_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-                buf = self._recv_one(src, group, receive_buffer)
+                buf = self._recv_one(channel, receive_buffer)
                 start = timeline.now()
                 message = unpack(buf, src, copy=buf is receive_buffer)
             except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
@@ -206,19 +237,72 @@ class Transport:
                 return
             self.deliver(message)
 
-    def _recv_one(self, src: int, group: Any, receive_buffer: torch.Tensor) -> torch.Tensor:
+    def _recv_one(self, channel: _Channel, receive_buffer: torch.Tensor) -> torch.Tensor:
         """gloo: into the reused capacity buffer; NCCL: into fresh exact-size buffers (their tensors are views)."""
         if not self.exact_sizes:
-            dist.recv(receive_buffer, src, group=group)
+            channel.recv(receive_buffer)
             return receive_buffer
         head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        dist.recv(head, src, group=group)
+        channel.recv(head)
         total, _ = _lengths(head)
         if total <= HEADER_BYTES:
             return head
         rest = torch.empty(total - HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        dist.recv(rest, src, group=group)
+        channel.recv(rest)
         return torch.cat([head, rest])
+
+
+class _Outgoing:
+    """The sends to one peer still in progress, with their buffers, and the buffers free for reuse."""
+
+    _KEEP_FREE = 4
+
+    def __init__(self, channel: _Channel) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()  # sends on one channel start in message order
+        self.peer_capacity = _INITIAL_CAPACITY
+        self._in_flight: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self._free: list[torch.Tensor] = []
+
+    def start(self, part: torch.Tensor, owner: torch.Tensor) -> None:
+        """Start sending ``part`` of ``owner`` (a whole buffer), which is kept until the send is done."""
+        self._in_flight.append((self.channel.send_async(part), owner))
+
+    def free_buffer(self) -> torch.Tensor | None:
+        """The largest buffer whose sends are done (raises a send's error), or None."""
+        while self._in_flight and self._in_flight[0][0].is_completed():
+            work, owner = self._in_flight.popleft()
+            work.wait()  # raises if the send failed
+            if not any(owner is o for _, o in self._in_flight):
+                self._free.append(owner)
+        if not self._free:
+            return None
+        self._free.sort(key=lambda b: b.numel())
+        del self._free[: -self._KEEP_FREE]
+        return self._free.pop()
+
+    def finish(self) -> None:
+        while self._in_flight:
+            work, _ = self._in_flight.popleft()
+            work.wait()
+
+
+class _Channel:
+    """One direction between two ranks: its two-member process group, called directly.
+
+    ``dist.isend``/``dist.recv`` re-resolve the group and the peer's group rank on every call (their
+    Python wrappers cost more than a small gloo transfer).
+    """
+
+    def __init__(self, group: Any, peer: int) -> None:
+        self.group = group
+        self.peer = dist.get_group_rank(group, peer)
+
+    def send_async(self, buf: torch.Tensor) -> Any:
+        return self.group.send([buf], self.peer, 0)
+
+    def recv(self, buf: torch.Tensor) -> None:
+        self.group.recv([buf], self.peer, 0).wait()
 
 
 def _record(track: str, kind: str, start: float) -> None:
