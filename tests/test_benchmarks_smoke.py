@@ -20,7 +20,7 @@ TINY = ["--width", "32", "--batch", "16", "--microbatches", "4"]
 
 def test_throughput_runs_and_compares_like_with_like(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "throughput.json"
-    argv = [*TINY, "--rounds", "1", "--steps", "1", "--warmup", "1", "--timeline-steps", "1", "--json", str(out)]
+    argv = [*TINY, "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)]
     assert pp_throughput.main(argv) in (0, 1)
     printed = capfd.readouterr().out
     assert "Schedule1F1B" in printed and "Idle fraction" in printed
