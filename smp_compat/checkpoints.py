@@ -282,6 +282,7 @@ def _remove_folder(root: Path, name: str) -> None:
 
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+?)(?P<kind>\.tmp-|\.old-|\.trash-)[0-9a-f]+$")
+_NEWEST_TEMP = re.compile(rf"^\.{NEWEST_FILE}\..+\.tmp$")  # atomic_write's temporary file of `newest`
 
 
 def recover_interrupted(root: str | os.PathLike[str]) -> None:
@@ -290,6 +291,9 @@ def recover_interrupted(root: str | os.PathLike[str]) -> None:
     if not root.is_dir():
         return
     for entry in sorted(root.iterdir()):
+        if _NEWEST_TEMP.match(entry.name):  # killed while replacing `newest`: the old one is intact
+            entry.unlink(missing_ok=True)
+            continue
         match = _LEFTOVER.match(entry.name)
         if match is None:
             continue

@@ -319,6 +319,17 @@ def test_a_replaced_folder_is_recovered_after_a_kill_between_renames(tmp_path: P
     assert smp.resume_from_checkpoint(tmp_path, "t") == 1
 
 
+def test_a_kill_while_replacing_newest_leaves_nothing_behind_after_the_next_save(tmp_path: Path) -> None:
+    smp.init({})
+    model, opt, _ = _one()
+    smp.save_checkpoint(tmp_path, "t", model=model, optimizer=opt, user_content=1)
+    (tmp_path / ".newest.k2j9x_1a.tmp").write_bytes(b"t_par")  # atomic_write's temporary file, killed mid-write
+    assert smp.resume_from_checkpoint(tmp_path) == 1  # `newest` itself was never touched
+    smp.save_checkpoint(tmp_path, "u", model=model, optimizer=opt, user_content=2)
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    assert smp.resume_from_checkpoint(tmp_path) == 2
+
+
 # ---------------------------------------------------------------------------- smp.load with v3 names
 
 
