@@ -108,12 +108,11 @@ def _timed(runner: Any, variant: str, batches: list, steps: int) -> tuple[float,
     smp steps run under ``smp_compat.timeline`` (a few spans per microbatch, well under 1% of a step), so
     the idle fraction comes from the same steps as the throughput, spread over the whole run.
     """
-    recorder = None
-    if isinstance(runner, SmpRunner):
+    smp = isinstance(runner, SmpRunner)
+    if smp:
         runner.use(variant)
     dist.barrier()
-    if isinstance(runner, SmpRunner):
-        recorder = timeline.enable(dist.get_rank())
+    recorder = timeline.enable(dist.get_rank()) if smp else None
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     try:
         for i in range(steps):
@@ -128,8 +127,9 @@ def _timed(runner: Any, variant: str, batches: list, steps: int) -> tuple[float,
 
 def _idle_and_breakdown(recorders: list[timeline.Timeline]) -> tuple[float, dict[str, float]]:
     """Idle fraction and time by span category over the recorded steps of one smp variant."""
-    total = sum(end - start for r in recorders for start, end in r.steps)
-    idle = sum(r.idle_fraction() * sum(end - start for start, end in r.steps) for r in recorders)
+    step_seconds = [sum(end - start for start, end in r.steps) for r in recorders]
+    total = sum(step_seconds)
+    idle = sum(r.idle_fraction() * seconds for r, seconds in zip(recorders, step_seconds))
     shares: dict[str, float] = {}
     for r in recorders:
         for span in r.spans:

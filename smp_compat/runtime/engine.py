@@ -386,12 +386,12 @@ class PipelineEngine:
             return
         self._send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
 
-    def _spawn(self, message: Message, phase: int, serve: Callable[[Task, Message], None]) -> None:
+    def _spawn(self, message: Message, priority_class: int, serve: Callable[[Task, Message], None]) -> None:
         """A task for a served request: forwards before backwards (a forward reply is what rank 0 waits
         on for its loss), each kind in arrival order."""
         mb = message.meta["mb"]
-        forward = phase == SERVE_FORWARD
-        task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (phase, next(self._arrivals)), mb)
+        forward = priority_class == SERVE_FORWARD
+        task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (priority_class, next(self._arrivals)), mb)
         task.phase = "forward" if forward else "backward"
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)

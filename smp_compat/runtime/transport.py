@@ -103,7 +103,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _copy_into(address: int, t: torch.Tensor) -> None:
-    """CPU tensor bytes to ``address``: memmove when contiguous, else through a strided view."""
+    """CPU tensor bytes to ``address``: memmove, from a contiguous CPU copy when the tensor is not one."""
     n = _nbytes(t)
     if not n:
         return
