@@ -87,7 +87,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     topology = Topology.build(
         launch.world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_strategy
     )
-    backend = _choose_backend(cfg)
+    backend = _choose_backend(cfg, launch)
     state.cfg, state.launch, state.topology, state.backend = cfg, launch, topology, backend
     state.device = _choose_device(backend, launch.local_rank)
     _export_rank_variables(launch)
@@ -110,21 +110,38 @@ def _launch_env(cfg: SMPConfig) -> LaunchEnv:
     return detect_launch(ddp_port=cfg.ddp_port)
 
 
-def _choose_backend(cfg: SMPConfig) -> str:
-    """NCCL when CUDA is usable and selected, gloo otherwise (``ddp_dist_backend``)."""
+def _choose_backend(cfg: SMPConfig, launch: LaunchEnv) -> str:
+    """NCCL when every local process has a GPU of its own, gloo otherwise (``ddp_dist_backend``).
+
+    A process group the script already made decides. NCCL refuses two ranks on one GPU, so processes
+    that share GPUs (more local ranks than GPUs) talk over gloo, which moves host memory.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_backend()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    shared = gpus > 0 and launch.local_size > gpus
     if cfg.ddp_dist_backend == "nccl":
-        if not torch.cuda.is_available():
+        if not gpus:
             raise SMPConfigError(
                 'ddp_dist_backend is "nccl" but CUDA is not available on this machine. Use "gloo" or "auto".'
             )
+        if shared:
+            raise SMPConfigError(
+                f'ddp_dist_backend is "nccl" but {launch.local_size} processes on this node share {gpus} GPU(s); '
+                'NCCL needs one GPU per process. Start one process per GPU, or use "gloo" or "auto".'
+            )
         return "nccl"
-    if cfg.ddp_dist_backend == "gloo":
+    if cfg.ddp_dist_backend == "gloo" or not gpus:
         return "gloo"
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if shared:
+        log.info("%d processes share %d GPU(s) on this node: using gloo (NCCL needs one GPU per process).",
+                 launch.local_size, gpus)
+        return "gloo"
+    return "nccl"
 
 
 def _choose_device(backend: str, local_rank: int) -> torch.device:
-    """One GPU per local rank with NCCL (as SMP set it); CPU otherwise, or when GPUs are shared over gloo."""
+    """One GPU per local rank (as SMP set it); local ranks share GPUs round-robin when there are fewer GPUs."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()

@@ -9,7 +9,9 @@ buffer. On gloo each extra send cost ~2 ms here (a message that arrives before i
 posted takes a slow path), while one send of any size took ~0.5 ms; gloo accepts a receive
 buffer larger than the message, so the receiver always has a buffer of the agreed capacity
 posted, and the sender first announces a larger capacity when a message needs it. NCCL needs
-exact sizes: there a fixed-size head goes first, then the rest of the packed buffer.
+exact sizes: there a fixed-size head goes first, then the rest of the packed buffer. Gloo moves only
+host memory, so on a GPU shared over gloo messages are packed on the host and their tensors are moved
+to the compute device on arrival.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ def create_channel_groups(pp_groups: list[list[int]]) -> dict[tuple[int, int], A
                 if src != dst:
                     groups[(src, dst)] = dist.new_group([src, dst])
     return groups
+
+
+def _wire_device(groups: dict[tuple[int, int], Any], rank: int, peers: list[int], device: torch.device) -> torch.device:
+    """Where message buffers live: the compute device with NCCL, host memory with gloo (it moves only host bytes)."""
+    if device.type == "cpu" or not peers:
+        return device
+    return device if dist.get_backend(groups[(rank, peers[0])]) == "nccl" else torch.device("cpu")
 
 
 def _aligned(n: int) -> int:
@@ -173,9 +182,10 @@ class Transport:
     ) -> None:
         self.rank = rank
         self.peers = peers
-        self.device = device
+        self.compute_device = device
+        self.device = _wire_device(groups, rank, peers, device)
         self.deliver = deliver
-        self.exact_sizes = device.type != "cpu"  # NCCL: receive sizes must match the send
+        self.exact_sizes = self.device.type != "cpu"  # NCCL: receive sizes must match the send
         self.payload_bytes = 0
         self.messages = 0
         self._outgoing = {p: _Outgoing(_Channel(groups[(rank, p)], p)) for p in peers}
@@ -237,6 +247,8 @@ class Transport:
                 buf = self._recv_one(channel, receive_buffer)
                 start = timeline.now()
                 message = unpack(buf, src, copy=buf is receive_buffer)
+                if self.compute_device != self.device:
+                    message.tensors = [t.to(self.compute_device) for t in message.tensors]
             except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
                 self.deliver(Message("transport_error", src, {"error": f"receiving from rank {src}: {exc}"}))
                 return
