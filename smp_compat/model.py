@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from smp_compat import grads, state_dicts
-from smp_compat.checkpointing import apply_activation_checkpointing
-from smp_compat.creation import materialize_local
+from smp_compat.checkpoints import state_dicts
+from smp_compat.memory.activation_checkpointing import apply_activation_checkpointing
+from smp_compat.memory.model_creation import materialize_local
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -26,7 +26,8 @@ from smp_compat.errors import (
     StepUsageError,
 )
 from smp_compat.globalstate import process_group, state
-from smp_compat.stepping import active_call, in_step, is_tracing
+from smp_compat.stepping import grads
+from smp_compat.stepping.step import active_call, in_step, is_tracing
 
 __all__ = ["DistributedModel"]
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from smp_compat import state_dicts
+from smp_compat.checkpoints import state_dicts
 from smp_compat.errors import CheckpointError, DistributedModelNotCreatedError, ParameterOwnershipError
-from smp_compat.fp16 import FP16Optimizer, LossScaler
+from smp_compat.precision.fp16 import FP16Optimizer, LossScaler
 from smp_compat.globalstate import state
-from smp_compat.sharding import OptimizerSharding
+from smp_compat.memory.optimizer_sharding import OptimizerSharding
 
 __all__ = ["DistributedOptimizer"]
 

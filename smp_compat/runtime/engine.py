@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from smp_compat import failure, timeline
-from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
+from smp_compat.memory.activation_checkpointing import requested_checkpointing, run_checkpointed
 from smp_compat.errors import RemoteError, StepUsageError
-from smp_compat.creation import materialize_local
+from smp_compat.memory.model_creation import materialize_local
 from smp_compat.partitioning import PartitionPlan
 from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
@@ -45,7 +45,7 @@ from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.tasks import CONTINUE, SERVE_BACKWARD, SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.globalstate import state
-from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch
+from smp_compat.stepping.step import StepCall, in_step, is_tracing, set_current_microbatch
 
 __all__ = ["PipelineEngine"]
 
