@@ -22,7 +22,7 @@ from smp_compat.checkpoints import state_dicts
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
 from smp_compat.checkpoints.serialization import atomic_save, atomic_write, fsync_dir, safe_load
-from smp_compat.serialize import all_gather_objects, broadcast_object
+from smp_compat.comm import all_gather_objects, broadcast_object
 
 __all__ = [
     "save_checkpoint",

@@ -24,7 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
-from smp_compat.serialize import all_gather_objects, object_to_tensor, tensor_to_object
+from smp_compat.comm import all_gather_objects, object_to_tensor, tensor_to_object
 
 __all__ = [
     "PARTIAL_KEY",
