@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from smp_compat.checkpoints import folders, state_dicts
+from smp_compat.checkpoints import folders, optimizer_state, state_dicts
 from smp_compat.errors import CheckpointError
 from smp_compat.checkpoints.serialization import atomic_save
 
@@ -281,7 +281,7 @@ def merge_optimizer(layout: Layout, key: str | None = None, unsafe: bool = False
         raise CheckpointError(f"{layout.folder or 'The source'} has no optimizer parts.")
     ordered = sorted(parts, key=lambda p: (p.pp_rank, p.rdp_rank or 0))
     dicts = [optimizer_dict_of(load_file(p.path, unsafe), key, p.path) for p in ordered]
-    return state_dicts.merge_optimizer_parts(dicts)
+    return optimizer_state.merge_optimizer_parts(dicts)
 
 
 # ---------------------------------------------------------------------- splitting

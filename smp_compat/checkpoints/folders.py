@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from smp_compat.checkpoints import state_dicts
+from smp_compat.checkpoints import deferred_loads, state_dicts
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
 from smp_compat.checkpoints.serialization import atomic_save, atomic_write, fsync_dir, safe_load
@@ -495,4 +495,4 @@ def _apply(model_sd: Any, model_kwargs: dict[str, Any], optimizer_sd: Any, fp16_
     load_fp16 = getattr(optimizer, "load_local_fp16_state_dict", None)
     if fp16_sd is not None and callable(load_fp16):
         load_fp16(fp16_sd)
-    state_dicts.queue_resume(queued_model, queued_optimizer)
+    deferred_loads.queue_resume(queued_model, queued_optimizer)

@@ -116,7 +116,7 @@ def _load_plain(plain_before: dict, plain_after: dict) -> dict[str, Any]:
 
 def _load_parts(parts: list[dict], opt_parts: list[dict], first_on_rank1: int, same_partition_load: bool) -> dict:
     """Each rank loads the part saved by its pipeline rank, under the given partition."""
-    from smp_compat.checkpoints import state_dicts
+    from smp_compat.checkpoints import deferred_loads, state_dicts
 
     merges = []
     real = state_dicts.merge_model_parts
@@ -127,7 +127,7 @@ def _load_parts(parts: list[dict], opt_parts: list[dict], first_on_rank1: int, s
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     model.load_state_dict(parts[smp.pp_rank()], same_partition_load=same_partition_load)
     opt.load_state_dict(opt_parts[smp.pp_rank()])
-    reusable = state_dicts.saved_partition(model)  # what a partitioner may reuse (SMP's same_partition_load)
+    reusable = deferred_loads.saved_partition(model)  # what a partitioner may reuse (SMP's same_partition_load)
     _, eval_step = _steps()
     with torch.no_grad():
         eval_step(model, _probe())
