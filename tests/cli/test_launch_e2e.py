@@ -8,13 +8,9 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 import types
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +22,7 @@ import smp_compat
 from smp_compat import cli, shim
 from smp_compat.cli.run import plan_launch
 from smp_compat.errors import SMPConfigError
+from launching import TIMEOUT_S, clean_env, free_port, run_all, smp_compat_command
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_dp.py"
@@ -36,11 +33,6 @@ DISTRIBUTION = {
     "smdistributed": {"modelparallel": {"enabled": True, "parameters": PARAMETERS}},
     "mpi": {"enabled": True, "processes_per_host": 2},
 }
-TIMEOUT_S = 90
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "ROLE_RANK", "SM_HP_MP_PARAMETERS", "SM_FRAMEWORK_PARAMS", "SMP_MANUAL_INIT",
-                "SM_HOSTS")  # fmt: skip
-_LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "PET_")
 
 
 # ---------------------------------------------------------------- helpers
@@ -70,58 +62,9 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment minus any launcher or SageMaker variable, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.update(extra)
-    return env
-
-
-def _smp_compat_command() -> list[str]:
-    """The installed console script (what users type), or the module when only the source is on the path."""
-    script = Path(sys.executable).parent / "smp-compat"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "smp_compat.cli"]
-
-
 def _example_args(out: Path, *extra: str) -> list[str]:
     return [str(EXAMPLE), "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--lr", str(LR),
             "--out", str(out), *extra]  # fmt: skip
-
-
-def _run_all(commands: Sequence[tuple[list[str], Mapping[str, str]]], tmp_path: Path) -> None:
-    """Start every command at once (they are ranks of one job), wait with a hard timeout, kill on expiry."""
-    procs, logs = [], []
-    for i, (cmd, env) in enumerate(commands):
-        log = tmp_path / f"proc{i}.log"
-        logs.append(log)
-        with log.open("w") as handle:
-            procs.append(subprocess.Popen(cmd, env=dict(env), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
-    deadline = time.monotonic() + TIMEOUT_S
-    timed_out = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    for proc in procs:  # whole process groups: torchrun's workers too
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    report = "\n".join(
-        f"--- process {i} ({shlex.join(cmd)}) exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-        for i, ((cmd, _), proc, log) in enumerate(zip(commands, procs, logs, strict=True))
-    )
-    assert not timed_out, f"timed out after {TIMEOUT_S} s\n{report}"
-    assert all(proc.returncode == 0 for proc in procs), report
 
 
 def _check_result(out: Path, reference: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -143,9 +86,9 @@ def _check_result(out: Path, reference: tuple[list[float], dict[str, torch.Tenso
 
 def test_smp_compat_run_unmodified_script_matches_plain_pytorch(tmp_path: Path, reference: Any) -> None:
     out = tmp_path / "result.pt"
-    cmd = [*_smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "--config", json.dumps(DISTRIBUTION), *_example_args(out)]  # fmt: skip
-    _run_all([(cmd, _clean_env())], tmp_path)
+    run_all([(cmd, clean_env())], tmp_path)
     result = _check_result(out, reference)
     assert result["smp_import"] == "smdistributed.modelparallel.torch"  # the shim, not the fallback
     assert result["config"]["microbatches"] == 2 and result["config"]["ddp"] is True
@@ -154,10 +97,10 @@ def test_smp_compat_run_unmodified_script_matches_plain_pytorch(tmp_path: Path, 
 
 def test_torchrun_with_env_config_overriding_script_dict(tmp_path: Path, reference: Any) -> None:
     out = tmp_path / "result.pt"
-    env = _clean_env(SM_HP_MP_PARAMETERS=json.dumps({"microbatches": 4, "ddp": True}))
+    env = clean_env(SM_HP_MP_PARAMETERS=json.dumps({"microbatches": 4, "ddp": True}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), *_example_args(out, "--script-config")]  # fmt: skip
-    _run_all([(cmd, env)], tmp_path)
+           str(free_port()), *_example_args(out, "--script-config")]  # fmt: skip
+    run_all([(cmd, env)], tmp_path)
     result = _check_result(out, reference)
     assert result["smp_import"] == "smp_compat"
     assert result["config"]["microbatches"] == 4  # SM_HP_MP_PARAMETERS wins over smp.init's dict (2)
@@ -165,9 +108,9 @@ def test_torchrun_with_env_config_overriding_script_dict(tmp_path: Path, referen
 
 def test_mpi_variables_by_hand_with_shim(tmp_path: Path, reference: Any) -> None:
     out = tmp_path / "result.pt"
-    base = _clean_env(
+    base = clean_env(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         SM_HP_MP_PARAMETERS=json.dumps(PARAMETERS),
         PYTHONPATH=shim.pythonpath_with_shim(os.environ.get("PYTHONPATH")),
         OMPI_COMM_WORLD_SIZE="2",
@@ -178,7 +121,7 @@ def test_mpi_variables_by_hand_with_shim(tmp_path: Path, reference: Any) -> None
          {**base, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)})
         for r in range(2)
     ]  # fmt: skip
-    _run_all(commands, tmp_path)
+    run_all(commands, tmp_path)
     result = _check_result(out, reference)
     assert result["smp_import"] == "smdistributed.modelparallel.torch"
     assert result["initialized_on_import"] is True  # SMP's rule: config + OMPI rank set -> init on import
@@ -186,8 +129,8 @@ def test_mpi_variables_by_hand_with_shim(tmp_path: Path, reference: Any) -> None
 
 def test_slurm_variables_by_hand(tmp_path: Path, reference: Any) -> None:
     out = tmp_path / "result.pt"
-    base = _clean_env(
-        MASTER_PORT=str(_free_port()),
+    base = clean_env(
+        MASTER_PORT=str(free_port()),
         SM_HP_MP_PARAMETERS=json.dumps(PARAMETERS),
         SLURM_NTASKS="2",
         SLURM_STEP_NUM_TASKS="2",
@@ -199,7 +142,7 @@ def test_slurm_variables_by_hand(tmp_path: Path, reference: Any) -> None:
         ([sys.executable, *_example_args(out)], {**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
         for r in range(2)
     ]
-    _run_all(commands, tmp_path)
+    run_all(commands, tmp_path)
     result = _check_result(out, reference)
     assert result["smp_import"] == "smp_compat"
     assert result["initialized_on_import"] is False
@@ -366,7 +309,7 @@ def test_shim_is_absent_by_default_and_boots_from_pythonpath() -> None:
         "from smdistributed.modelparallel import __version__\n"
         "print(smp is smp_compat, step is smp_compat.stepping, smp_compat.__spec__.name, __version__)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe, shim.SITE_DIR], env=_clean_env(), cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", probe, shim.SITE_DIR], env=clean_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     first, second = proc.stdout.splitlines()[-2:]

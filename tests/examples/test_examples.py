@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from test_launch_e2e import ROOT, _clean_env, _free_port, _run_all, _smp_compat_command
+from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
 
 EXAMPLES = ROOT / "examples"
 PIPELINE = EXAMPLES / "train_pipeline.py"
@@ -76,10 +76,10 @@ def _launch(tmp_path: Path, script: Path, config: Path, *extra: str, nproc: int 
     """Run one example as a job of ``smp-compat run`` (hard timeout from _run_all) and load its --out file."""
     out = tmp_path / "result.pt"
     nproc_args = ["--nproc-per-node", str(nproc)] if nproc else []  # else: the config's processes_per_host
-    cmd = [*_smp_compat_command(), "run", *nproc_args, "--master-port", str(_free_port()), "--config", str(config),
+    cmd = [*smp_compat_command(), "run", *nproc_args, "--master-port", str(free_port()), "--config", str(config),
            str(script), "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--lr", str(LR),
            "--out", str(out), *extra]  # fmt: skip
-    _run_all([(cmd, _clean_env())], tmp_path)
+    run_all([(cmd, clean_env())], tmp_path)
     return torch.load(out)
 
 

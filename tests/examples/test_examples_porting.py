@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from smp_compat import cli
 from smp_compat.cli.timeline import build_picture, load_trace
-from test_launch_e2e import ROOT, _clean_env, _free_port, _run_all, _smp_compat_command
+from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
 
 EXAMPLES = ROOT / "examples"
 MNIST = EXAMPLES / "mnist_cnn.py"
@@ -74,9 +74,9 @@ def _check_mnist(result: dict[str, Any], reference: dict[str, Any]) -> None:
 def test_mnist_under_smp_compat_run_with_a_sagemaker_config(tmp_path: Path) -> None:
     """Two pipeline stages from the distribution dict alone (processes_per_host 2 -> two processes)."""
     out = tmp_path / "mnist.pt"
-    cmd = [*_smp_compat_command(), "run", "--master-port", str(_free_port()), "--config", json.dumps(DISTRIBUTION),
+    cmd = [*smp_compat_command(), "run", "--master-port", str(free_port()), "--config", json.dumps(DISTRIBUTION),
            str(MNIST), *MNIST_ARGS, "--out", str(out)]  # fmt: skip
-    _run_all([(cmd, _clean_env())], tmp_path)
+    run_all([(cmd, clean_env())], tmp_path)
     result = torch.load(out)
     assert (result["pp_size"], result["dp_size"]) == (2, 1)
     assert result["smp_import"] == "smdistributed.modelparallel.torch"  # the unmodified import, through the shim
@@ -105,9 +105,9 @@ def test_timeline_demo_and_picture(tmp_path: Path, capsys: pytest.CaptureFixture
     """The documented command, with a smaller model: a recorded pp = 2, microbatches = 4 step, drawn."""
     trace = tmp_path / "out.json"
     small = ["--width", "64", "--layers", "2", "--batch", "32", "--warmup", "1", "--steps", "1"]
-    cmd = [*_smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(DEMO),
+    cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(DEMO),
            "--trace", str(trace), *small]  # fmt: skip
-    _run_all([(cmd, _clean_env())], tmp_path)
+    run_all([(cmd, clean_env())], tmp_path)
     events, other = load_trace(trace)
     assert (other["pp"], other["microbatches"], other["world_size"]) == (2, 4, 2)
     picture = build_picture(events, other)
@@ -134,10 +134,10 @@ def test_docs_show_the_documented_commands() -> None:
 def test_mnist_with_grad_scaler_autocast_and_smp_save_load(tmp_path: Path, processes: int) -> None:
     """AWS's MNIST CI shape: GradScaler + autocast, partial and full smp.save, smp.load, allgather of the loss."""
     out = tmp_path / "mnist.pt"
-    cmd = [*_smp_compat_command(), "run", "--nproc-per-node", str(processes), "--master-port", str(_free_port()),
+    cmd = [*smp_compat_command(), "run", "--nproc-per-node", str(processes), "--master-port", str(free_port()),
            "--config", json.dumps(DISTRIBUTION), str(MNIST), *MNIST_ARGS, "--amp", "--save-dir", str(tmp_path),
            "--out", str(out)]  # fmt: skip
-    _run_all([(cmd, _clean_env())], tmp_path)
+    run_all([(cmd, clean_env())], tmp_path)
     result = torch.load(out)
     assert result["pp_size"] == 2 and result["dp_size"] == processes // 2
     assert all(torch.isfinite(torch.tensor(result["losses"])))

@@ -198,14 +198,14 @@ print("FINISHED", flush=True)
 
 def test_failure_under_smp_compat_run_ends_the_job_within_seconds(tmp_path: Any) -> None:
     """The real launcher path: the error leaves rank 0 through sys.excepthook, not through run_ranks."""
-    from test_launch_e2e import _clean_env, _free_port, _smp_compat_command
+    from launching import clean_env, free_port, smp_compat_command
 
     script = tmp_path / "fail_job.py"
     script.write_text(_SCRIPT)
     config = '{"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": false, "default_partition": 0}'
-    cmd = [*_smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "--config", config, str(script)]  # fmt: skip
-    proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=90)
     ended = time.time()
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "FINISHED" not in output, output[-4000:]
