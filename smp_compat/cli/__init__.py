@@ -16,6 +16,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Imported on call, so ``python -m smp_compat.cli.support`` does not load every sub-command first.
     """
-    from smp_compat.cli.run import main as run_main
+    from smp_compat.cli.commands import main as run_main
 
     return run_main(argv)

@@ -1,4 +1,4 @@
-"""``python -m smp_compat.cli``: the same as the ``smp-compat`` console script."""
+"""``python -m smp_compat.cli``: the same as the ``smp-compat`` console script (``smp_compat.cli:main``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``smp-compat`` command: run unmodified SMP v1 scripts under torchrun, or print their launch environment."""
+"""``smp-compat run``: launch an unmodified SMP v1 script under torchrun with the shim and its config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,25 +16,21 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from smp_compat.cli.check import check_command
-from smp_compat.cli.checkpoint import checkpoint_command
-from smp_compat.cli.plan import plan_command
-from smp_compat.cli.timeline import timeline_command
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
-from smp_compat.errors import SMPConfigError, SMPError
+from smp_compat.errors import SMPConfigError
 from smp_compat.shim import pythonpath_with_shim
 from smp_compat.topology import Topology
 
 __all__ = [
-    "COMMANDS",
     "FRAMEWORK_ENV",
-    "Command",
     "LaunchConfig",
     "LaunchPlan",
     "launch_environment",
-    "main",
+    "note",
     "plan_launch",
     "read_launch_config",
+    "resolve_launch",
+    "run_command",
 ]
 
 FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
@@ -158,7 +154,7 @@ def _framework_params(current: str | None) -> dict[str, Any]:
     return {**params, "sagemaker_mpi_enabled": True}
 
 
-def _resolve(launch: LaunchConfig) -> SMPConfig:
+def resolve_launch(launch: LaunchConfig) -> SMPConfig:
     """Validate the launch config on its own (the launcher cannot see the script's smp.init dict)."""
     try:
         return resolve_config(launch.parameters or {}, environ={})
@@ -292,7 +288,7 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     _check_script(ns)
     options = _strip_own_options(options)
     launch = read_launch_config(ns.config, env)
-    cfg = _resolve(launch)
+    cfg = resolve_launch(launch)
     nproc = ns.nproc_per_node
     if launch.processes_per_host is not None and not _nproc_given(options, env):
         nproc = str(launch.processes_per_host)
@@ -331,7 +327,7 @@ def _console() -> Console:
     return Console(markup=False, highlight=False, soft_wrap=False)
 
 
-def _note(text: str) -> None:
+def note(text: str) -> None:
     print(f"smp-compat: {text}", file=sys.stderr)
 
 
@@ -380,14 +376,14 @@ def _print_dry_run(plan: LaunchPlan) -> None:
     print("  " + shlex.join(plan.command))
 
 
-# ---------------------------------------------------------------- sub-commands
+# ---------------------------------------------------------------- the command
 
 
 def run_command(argv: list[str]) -> int:
     """``smp-compat run``: check, then exec torchrun (or, with --dry-run, show the plan and stop)."""
     plan = plan_launch(argv)
     for note in plan.launch.notes:
-        _note(note)
+        note(note)
     problem = _world_size_problem(plan)
     if plan.dry_run:
         _print_dry_run(plan)
@@ -395,87 +391,8 @@ def run_command(argv: list[str]) -> int:
             raise SMPConfigError(problem)
         return 0
     if problem:
-        _note(f"warning: {problem}")
+        note(f"warning: {problem}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, plan.command, {**os.environ, **plan.env_updates})
     return 0  # not reached: execve replaces this process
-
-
-def env_command(argv: list[str]) -> int:
-    """``smp-compat env``: print ``export`` lines for launching by hand (srun, mpirun) with the shim and config."""
-    parser = argparse.ArgumentParser(
-        prog="smp-compat env",
-        description="Print shell export lines that make an unmodified SMP script run under srun, mpirun or "
-        'plain python: eval "$(smp-compat env --config dp2.json)"',
-        allow_abbrev=False,
-    )
-    parser.add_argument("--config", metavar="JSON_OR_FILE", help="as for `smp-compat run --config`")
-    ns = parser.parse_args(argv)
-    launch = read_launch_config(ns.config, os.environ)
-    env = launch_environment(launch, _resolve(launch), os.environ)
-    for note in launch.notes:
-        _note(note)
-    for name, value in sorted(env.items()):
-        print(f"export {name}={shlex.quote(value)}")
-    return 0
-
-
-Handler = Callable[[list[str]], int]
-
-
-@dataclass(frozen=True)
-class Command:
-    """A sub-command: one line of help and the function that runs it with the remaining arguments."""
-
-    help: str
-    handler: Handler
-
-
-COMMANDS: dict[str, Command] = {
-    "run": Command("launch an SMP script under torchrun with the shim and config (--dry-run: show the layout)",
-                   run_command),
-    "env": Command("print export lines for launching by hand (srun, mpirun, python)", env_command),
-    "check": Command("list the SMP APIs and config keys scripts use, with their support status",
-                     check_command),
-    "plan": Command("show the partition a model would get, in one process", plan_command),
-    "timeline": Command("draw a recorded pipeline step per rank (terminal, SVG, HTML)",
-                        timeline_command),
-    "checkpoint": Command("inspect, merge or split SMP / smp_compat checkpoints (info, merge, split)",
-                          checkpoint_command),
-}  # fmt: skip
-"""Sub-commands by name; later ones (check, plan, checkpoint) register here."""
-
-
-def _usage() -> str:
-    lines = ["usage: smp-compat COMMAND [options]", "", "commands:"]
-    width = max(len(name) for name in COMMANDS)
-    lines += [f"  {name:<{width}} {command.help}" for name, command in COMMANDS.items()]
-    lines += ["", "`smp-compat COMMAND --help` describes each command."]
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``smp-compat`` console script; returns the exit status."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(_usage(), file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
-    if args[0] == "--version":
-        from smp_compat import __version__
-
-        print(f"smp-compat {__version__}")
-        return 0
-    command = COMMANDS.get(args[0])
-    if command is None:
-        print(f"smp-compat: unknown command {args[0]!r}.\n\n{_usage()}", file=sys.stderr)
-        return 2
-    try:
-        return command.handler(args[1:])
-    except SMPError as exc:
-        print(f"smp-compat {args[0]}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
