@@ -77,7 +77,8 @@ from smp_compat.ranks import (
     tp_rank,
     tp_size,
 )
-from smp_compat.checkpoints.folders import resume_from_checkpoint, save_checkpoint
+from smp_compat.checkpoints.folders import save_checkpoint
+from smp_compat.checkpoints.resume import resume_from_checkpoint
 from smp_compat.checkpoints.serialization import load, save
 from smp_compat.globalstate import init, is_initialized, reset, shutdown, state
 from smp_compat.stepping.step import is_tracing, step

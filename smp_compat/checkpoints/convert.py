@@ -376,7 +376,7 @@ def write_checkpoint_parts(parts: list[Mapping[str, Any]], root: str | os.PathLi
                            plan: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
     """A resumable partial checkpoint folder (model only) from split parts, published atomically."""
     root = Path(root)
-    name = f"{folders._check_tag(tag)}{folders.PARTIAL_SUFFIX}"
+    name = f"{folders.check_tag(tag)}{folders.PARTIAL_SUFFIX}"
     root.mkdir(parents=True, exist_ok=True)
     folders.recover_interrupted(root)
     staging = folders.staging_folder(root, name)

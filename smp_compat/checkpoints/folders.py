@@ -1,4 +1,4 @@
-"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``: SMP's checkpoint folders, written atomically.
+"""``smp.save_checkpoint``: SMP's checkpoint folders (partial and full), written atomically.
 
 A partial checkpoint is written into a hidden staging folder by every rank, and published by global
 rank 0 with renames only after every rank has finished: a process killed during a save never
@@ -12,21 +12,19 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from smp_compat.checkpoints import deferred_loads, state_dicts
+from smp_compat.checkpoints import state_dicts
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
-from smp_compat.checkpoints.serialization import atomic_save, atomic_write, fsync_dir, safe_load
+from smp_compat.checkpoints.serialization import atomic_save, atomic_write, fsync_dir
 from smp_compat.comm import all_gather_objects, broadcast_object
 
 __all__ = [
     "save_checkpoint",
-    "resume_from_checkpoint",
     "NEWEST_FILE",
     "PARTIAL_SUFFIX",
     "CONFIG_FILE",
@@ -37,7 +35,7 @@ __all__ = [
     "read_newest",
     "write_newest",
     "checkpoint_folder",
-    "check_saved_config",
+    "check_tag",
     "recover_interrupted",
     "publish_folder",
     "staging_folder",
@@ -50,9 +48,6 @@ USER_CONTENT_FILE = "user_content.pt"
 _STAGING = ".tmp-"
 _BACKUP = ".old-"
 _TRASH = ".trash-"
-_MUST_MATCH = ("pipeline_parallel_degree", "tensor_parallel_degree", "shard_optimizer_state",
-               "sharded_data_parallel_degree")  # fmt: skip
-_MAY_DIFFER = {"microbatches", "active_microbatches", "pipeline", "ddp_port", "ddp_dist_backend", "placement_strategy"}
 
 
 # ---------------------------------------------------------------------- names
@@ -70,7 +65,7 @@ def fp16_file(pp_rank: int, tp_rank: int) -> str:
     return f"fp16_states_{pp_rank}_{tp_rank}.pt"
 
 
-def _check_tag(tag: Any) -> str:
+def check_tag(tag: Any) -> str:
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or "\\" in tag or tag.startswith("."):
         raise CheckpointError(
             f"The checkpoint tag must be a non-empty name without path separators or a leading dot, got {tag!r}. "
@@ -145,7 +140,7 @@ def save_checkpoint(
     only, plain PyTorch names) and ``<path>/user_content_<tag>``.
     """
     state.require_init("smp.save_checkpoint")
-    tag = _check_tag(tag)
+    tag = check_tag(tag)
     if num_kept_partial_checkpoints is not None and (
         isinstance(num_kept_partial_checkpoints, bool)
         or not isinstance(num_kept_partial_checkpoints, int)
@@ -343,7 +338,7 @@ def checkpoint_folder(path: str | os.PathLike[str], tag: str | None) -> Path:
             )
         name = names[-1]
     else:
-        name = tag if tag.endswith(PARTIAL_SUFFIX) and (root / tag).is_dir() else f"{_check_tag(tag)}{PARTIAL_SUFFIX}"
+        name = tag if tag.endswith(PARTIAL_SUFFIX) and (root / tag).is_dir() else f"{check_tag(tag)}{PARTIAL_SUFFIX}"
     folder = root / name
     if not folder.is_dir():
         folder = _backup_of(root, name) or folder
@@ -364,135 +359,3 @@ def _backup_of(root: Path, name: str) -> Path | None:
         if match and match["name"] == name and match["kind"] == _BACKUP and entry.is_dir():
             return entry
     return None
-
-
-def check_saved_config(saved: Any, where: str) -> None:
-    """Degrees that decide the parts must match this job; other differences only warn (as SMP)."""
-    if not isinstance(saved, Mapping):
-        return
-    values = dict(saved.get("config") or {})
-    values.update({k: saved[k] for k in _MUST_MATCH if k in saved})
-    current = state.cfg.to_dict()
-    bad = [k for k in _MUST_MATCH if k in values and values[k] != current.get(k)]
-    if bad:
-        changes = ", ".join(f"{k}: saved {values[k]!r}, now {current.get(k)!r}" for k in bad)
-        raise CheckpointError(
-            f"Checkpoint {where} cannot be resumed by this job: {changes}. A partial checkpoint's parts follow "
-            "the layout it was saved with. Resume with the same degrees, or merge it into one state dict with "
-            "`smp-compat checkpoint merge` and load that with model.load_state_dict()."
-        )
-    differ = sorted(k for k in values if k in current and k not in _MUST_MATCH and k not in _MAY_DIFFER
-                    and values[k] != current[k])  # fmt: skip
-    if differ:
-        warnings.warn(f"Checkpoint {where} was saved with a different config for {differ}.", stacklevel=3)
-
-
-def _check_parts(folder: Path) -> bool:
-    """The model part files must be one per (pp, tp) of this job; returns False when the checkpoint has none."""
-    pattern = re.compile(r"^model_(\d+)_(\d+)\.pt$")
-    found = {tuple(int(g) for g in m.groups()) for p in folder.iterdir() if (m := pattern.match(p.name))}
-    if not found:
-        return False
-    topo = state.topology
-    expected = {(p, t) for p in range(topo.pp_size) for t in range(topo.tp_size)}
-    if found != expected:
-        raise CheckpointError(
-            f"Checkpoint {str(folder)!r} has model parts {sorted(found)} but this job (pipeline_parallel_degree="
-            f"{topo.pp_size}, tensor_parallel_degree={topo.tp_size}) needs {sorted(expected)}. Resume with the "
-            "degrees it was saved with, or merge it with `smp-compat checkpoint merge`."
-        )
-    return True
-
-
-def resume_from_checkpoint(
-    path: str | os.PathLike[str],
-    tag: str | None = None,
-    partial: bool = True,
-    strict: bool = True,
-    load_optimizer: bool = True,
-    load_sharded_optimizer_state: bool = True,
-    translate_function: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
-    weights_only: bool = True,
-    load_optimizer_states: bool | None = None,
-) -> Any:
-    """Load a checkpoint on every rank and return its ``user_content``.
-
-    Works before or after wrapping: loads whose model or optimizer does not exist yet are queued and
-    applied when it is created, and like every load they wait for partitioning. Files load with
-    ``weights_only=True`` unless ``weights_only=False`` is passed for trusted files.
-    """
-    state.require_init("smp.resume_from_checkpoint")
-    if load_optimizer_states is not None:  # SMP 1.10's name
-        load_optimizer = load_optimizer_states
-    if partial:
-        return _resume_partial(path, tag, strict, load_optimizer, weights_only)
-    return _resume_full(path, tag, strict, translate_function, weights_only)
-
-
-def _load(file: Path, weights_only: bool) -> Any:
-    return safe_load(file, map_location="cpu", weights_only=weights_only)
-
-
-def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool) -> Any:
-    folder = checkpoint_folder(path, tag)
-    config = folder / CONFIG_FILE
-    if config.is_file():
-        check_saved_config(_load(config, weights_only), str(folder))
-    coords = state.topology.coords(state.rank)
-    pp, tp = coords.pp_rank, coords.tp_rank
-    model_sd = _load(folder / model_file(pp, tp), weights_only) if _check_parts(folder) else None
-    optimizer_sd = None
-    if load_optimizer:
-        for candidate in (optimizer_file(pp, tp), optimizer_file(pp, tp, coords.rdp_rank)):
-            if (folder / candidate).is_file():
-                optimizer_sd = _load(folder / candidate, weights_only)
-                break
-    fp16_path = folder / fp16_file(pp, tp)
-    fp16_sd = _load(fp16_path, weights_only) if load_optimizer and fp16_path.is_file() else None
-    content = folder / USER_CONTENT_FILE
-    user_content = _load(content, weights_only) if content.is_file() else None
-    _apply(model_sd, {"strict": strict}, optimizer_sd, fp16_sd)
-    return user_content
-
-
-def _resume_full(
-    path: Any, tag: str | None, strict: bool, translate: Callable[..., Any] | None, weights_only: bool
-) -> Any:
-    if tag is None:
-        raise CheckpointError(
-            "resume_from_checkpoint(partial=False) needs the tag of the full checkpoint (`newest` lists partial "
-            "checkpoints only). Pass tag=... as given to smp.save_checkpoint."
-        )
-    root = Path(path)
-    target = root / _check_tag(tag)
-    if not target.is_file():
-        raise CheckpointError(
-            f"Full checkpoint file {str(target)!r} does not exist. Pass the path and tag given to "
-            "smp.save_checkpoint(partial=False)."
-        )
-    model_sd = _load(target, weights_only)
-    content = root / f"user_content_{tag}"
-    user_content = _load(content, weights_only) if content.is_file() else None
-    _apply(model_sd, {"strict": strict, "translate_function": translate}, None, None)
-    return user_content
-
-
-def _apply(model_sd: Any, model_kwargs: dict[str, Any], optimizer_sd: Any, fp16_sd: Any) -> None:
-    """Load into what exists now; queue what does not exist yet (created later, then partitioned)."""
-    model, optimizer = state.model, state.optimizer
-    queued_model = None
-    if model_sd is not None:
-        if model is not None:
-            model.load_state_dict(model_sd, **model_kwargs)
-        else:
-            queued_model = {"state_dict": model_sd, **model_kwargs}
-    queued_optimizer = None
-    if optimizer_sd is not None:
-        if optimizer is not None:
-            optimizer.load_state_dict(optimizer_sd)
-        else:
-            queued_optimizer = optimizer_sd
-    load_fp16 = getattr(optimizer, "load_local_fp16_state_dict", None)
-    if fp16_sd is not None and callable(load_fp16):
-        load_fp16(fp16_sd)
-    deferred_loads.queue_resume(queued_model, queued_optimizer)
