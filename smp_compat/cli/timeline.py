@@ -9,7 +9,6 @@ waiting for other ranks, and the measured idle fraction next to the ideal bubble
 from __future__ import annotations
 
 import argparse
-import html
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from smp_compat.cli.svg import render_html, render_svg
 from smp_compat.errors import SMPConfigError
 from smp_compat.timeline import ideal_idle_fraction
 
@@ -38,8 +38,6 @@ __all__ = [
 _COMPUTE = "compute"
 _CATEGORIES = ("forward", "backward", "idle")
 _TERM_STYLE = {"forward": "bold white on blue", "backward": "bold black on dark_orange", "idle": "grey50"}
-_SVG_FILL = {"forward": "#4C78A8", "backward": "#F58518", "idle": "#D4D4D4"}
-_SVG_TEXT = {"forward": "#FFFFFF", "backward": "#1A1A1A", "idle": "#777777"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +103,11 @@ class Picture:
         schedule = f", {self.pipeline}" if self.pipeline else ""
         return (f"pp = {self.pp}, microbatches = {self.microbatches}{schedule}: step {self.step_index + 1} of "
                 f"{self.steps_recorded} recorded, {self.span * 1e3:.1f} ms")  # fmt: skip
+
+    def explanation(self) -> str:
+        """What the ideal bubble assumes, under the numbers."""
+        return (f"ideal bubble (p-1)/(m+p-1) = ({self.pp}-1)/({self.microbatches}+{self.pp}-1): equal stages, "
+                "free communication; compare 'not computing'.")  # fmt: skip
 
 
 # ---------------------------------------------------------------- reading
@@ -300,117 +303,10 @@ def render_terminal(picture: Picture, width: int = 96) -> Group:
     legend.append("0", style=_TERM_STYLE["backward"]).append(" backward  ")
     legend.append("·", style=_TERM_STYLE["idle"]).append(" waiting  ")
     legend.append("-", style="grey30").append(" bookkeeping  (digit: microbatch)")
-    rows += [legend, Text(""), _stats_table(picture), Text(_explanation(picture), style="grey62")]
+    rows += [legend, Text(""), _stats_table(picture), Text(picture.explanation(), style="grey62")]
     if picture.aligned:
         rows.append(Text("Ranks ran on different clocks: each row starts at its own step start.", style="yellow"))
     return Group(*rows)
-
-
-def _explanation(picture: Picture) -> str:
-    return (f"ideal bubble (p-1)/(m+p-1) = ({picture.pp}-1)/({picture.microbatches}+{picture.pp}-1): equal stages, "
-            "free communication; compare 'not computing'.")  # fmt: skip
-
-
-# ---------------------------------------------------------------- SVG / HTML
-
-_SVG_WIDTH, _LABEL_W, _ROW_H, _GAP, _TOP = 960, 70, 34, 10, 56
-
-
-def _svg_bar(bar: Bar, y: float, scale: float, picture: Picture) -> list[str]:
-    x = _LABEL_W + (bar.start - picture.start) * scale
-    w = max((bar.end - bar.start) * scale, 0.5)
-    parts = [f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{_ROW_H}" fill="{_SVG_FILL[bar.category]}"'
-             f' stroke="#FFFFFF" stroke-width="0.5"><title>{bar.category} mb {bar.microbatch}: '
-             f"{(bar.end - bar.start) * 1e3:.2f} ms</title></rect>"]  # fmt: skip
-    if bar.category != "idle" and bar.microbatch is not None and w >= 9:
-        parts.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW_H / 2 + 4:.1f}" text-anchor="middle" font-size="11" '
-                     f'fill="{_SVG_TEXT[bar.category]}">{bar.microbatch}</text>')  # fmt: skip
-    return parts
-
-
-def render_svg(picture: Picture) -> str:
-    """A self-contained SVG of the step (hand-written: no plotting dependency)."""
-    plot_w = _SVG_WIDTH - _LABEL_W - 20
-    scale = plot_w / picture.span
-    lanes_h = len(picture.lanes) * (_ROW_H + _GAP)
-    height = _TOP + lanes_h + 40 + 22 * (len(picture.lanes) + 2)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_SVG_WIDTH}" height="{height}" '
-           f'viewBox="0 0 {_SVG_WIDTH} {height}" font-family="Helvetica, Arial, sans-serif">',
-           f'<rect width="{_SVG_WIDTH}" height="{height}" fill="#FFFFFF"/>',
-           f'<text x="{_LABEL_W}" y="22" font-size="15" font-weight="bold">{html.escape(picture.title())}'
-           "</text>"]  # fmt: skip
-    out += _svg_legend(_LABEL_W, 42)
-    for i, lane in enumerate(picture.lanes):
-        y = _TOP + i * (_ROW_H + _GAP)
-        out.append(f'<text x="8" y="{y + _ROW_H / 2 + 5:.1f}" font-size="13">rank {lane.rank}</text>')
-        x0 = _LABEL_W + (lane.step_start - picture.start) * scale
-        out.append(f'<rect x="{x0:.2f}" y="{y}" width="{lane.duration * scale:.2f}" height="{_ROW_H}" '
-                   'fill="#FFFFFF" stroke="#999999" stroke-width="0.6"/>')  # fmt: skip
-        for bar in lane.bars:
-            out += _svg_bar(bar, y, scale, picture)
-    out += _svg_axis(picture, _TOP + lanes_h, scale)
-    out += _svg_stats(picture, _TOP + lanes_h + 44)
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def _svg_legend(x: float, y: float) -> list[str]:
-    out = []
-    for label, category in (("forward", "forward"), ("backward", "backward"), ("waiting for another rank", "idle")):
-        out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{_SVG_FILL[category]}"/>')
-        out.append(f'<text x="{x + 16}" y="{y}" font-size="12">{label}</text>')
-        x += 26 + 7 * len(label)
-    out.append(f'<text x="{x}" y="{y}" font-size="12" fill="#555555">numbers: microbatch; blank: engine '
-               "bookkeeping</text>")  # fmt: skip
-    return out
-
-
-def _svg_axis(picture: Picture, y: float, scale: float) -> list[str]:
-    out = [f'<line x1="{_LABEL_W}" y1="{y}" x2="{_LABEL_W + picture.span * scale:.2f}" y2="{y}" stroke="#888888"/>']
-    for k in range(6):
-        t = picture.span * k / 5
-        x = _LABEL_W + t * scale
-        out.append(f'<line x1="{x:.2f}" y1="{y}" x2="{x:.2f}" y2="{y + 5}" stroke="#888888"/>')
-        out.append(f'<text x="{x:.2f}" y="{y + 18}" font-size="11" text-anchor="middle" fill="#555555">'
-                   f"{(picture.start + t) * 1e3:.1f} ms</text>")  # fmt: skip
-    return out
-
-
-def _svg_stats(picture: Picture, y: float) -> list[str]:
-    out = [f'<text x="{_LABEL_W}" y="{y}" font-size="12" font-weight="bold">idle (waiting) / not computing, '
-           f"against the ideal bubble (p-1)/(m+p-1) = {picture.ideal:.0%}</text>"]  # fmt: skip
-    for i, lane in enumerate(picture.lanes, start=1):
-        out.append(f'<text x="{_LABEL_W}" y="{y + 20 * i}" font-size="12">rank {lane.rank}: forward '
-                   f"{lane.fraction('forward'):.0%}, backward {lane.fraction('backward'):.0%}, idle "
-                   f"{lane.fraction('idle'):.0%}, not computing {lane.not_computing:.0%} (ideal "
-                   f"{picture.ideal:.0%})</text>")  # fmt: skip
-    if picture.aligned:
-        out.append(f'<text x="{_LABEL_W}" y="{y + 20 * (len(picture.lanes) + 1)}" font-size="11" fill="#AA5500">'
-                   "ranks ran on different clocks: each row starts at its own step start</text>")  # fmt: skip
-    return out
-
-
-def render_html(picture: Picture) -> str:
-    """An HTML page with the SVG and the numbers as a table."""
-    rows = "\n".join(
-        f"<tr><td>{lane.rank}</td><td>{lane.fraction('forward'):.1%}</td><td>{lane.fraction('backward'):.1%}</td>"
-        f"<td>{lane.fraction('idle'):.1%}</td><td>{lane.not_computing:.1%}</td><td>{picture.ideal:.1%}</td></tr>"
-        for lane in picture.lanes
-    )
-    meta = html.escape(json.dumps(picture.meta)) if picture.meta else ""
-    return (
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>smp_compat pipeline timeline</title>"
-        "<style>body{font-family:Helvetica,Arial,sans-serif;margin:2em}td,th{padding:2px 10px;text-align:right}"
-        "</style></head><body>\n"
-        f"<h1>Pipeline timeline</h1>\n{render_svg(picture)}"
-        "<table><tr><th>rank</th><th>forward</th><th>backward</th><th>idle (waiting)</th><th>not computing</th>"
-        f"<th>ideal bubble</th></tr>\n{rows}\n</table>\n<p>{html.escape(_explanation(picture))}</p>\n"
-        + (f"<p><small>run: {meta}</small></p>\n" if meta else "")
-        + "</body></html>\n"
-    )
-
-
-# ---------------------------------------------------------------- command
 
 
 def _parser() -> argparse.ArgumentParser:
