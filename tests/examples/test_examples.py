@@ -1,7 +1,7 @@
 """End to end: the pipeline examples run through ``smp-compat run`` and train exactly like plain PyTorch.
 
 Each example saves its losses, eval results and final parameters with ``--out``; the oracle is the same
-model trained in this process on the global batch. Launch helpers come from test_launch_e2e.
+model trained in this process on the global batch. Launch helpers come from tests/launching.py.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _train_reference(example: types.ModuleType) -> dict[str, Any]:
 
 
 def _launch(tmp_path: Path, script: Path, config: Path, *extra: str, nproc: int | None = None) -> dict[str, Any]:
-    """Run one example as a job of ``smp-compat run`` (hard timeout from _run_all) and load its --out file."""
+    """Run one example as a job of ``smp-compat run`` (hard timeout from run_all) and load its --out file."""
     out = tmp_path / "result.pt"
     nproc_args = ["--nproc-per-node", str(nproc)] if nproc else []  # else: the config's processes_per_host
     cmd = [*smp_compat_command(), "run", *nproc_args, "--master-port", str(free_port()), "--config", str(config),

@@ -1,7 +1,7 @@
 """The porting examples run from their documented commands: the MNIST CNN trains like plain PyTorch, the
 timeline demo records a pp = 2, microbatches = 4 step that ``smp-compat timeline`` draws.
 
-Launch helpers (hard timeout, clean environment, free port) come from test_launch_e2e.
+Launch helpers (hard timeout, clean environment, free port) come from tests/launching.py.
 """
 
 from __future__ import annotations
