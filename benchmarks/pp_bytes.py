@@ -2,7 +2,7 @@
 
 Two models, each in its own 2-rank job (SMP allows one DistributedModel per process): the 4|4 MLP of the
 throughput benchmark, and the TinyTransformer of ``tests/models.py`` with the manual split of
-``tests/test_pp_fidelity.py`` (embedding, blocks 0-1 and the tied head on rank 0; blocks 2-3 and ln_f on
+``tests/runtime/test_pp_fidelity.py`` (embedding, blocks 0-1 and the tied head on rank 0; blocks 2-3 and ln_f on
 rank 1). Every message the pipeline engine sends is tallied by kind (payload bytes, headers excluded) over
 steps after the first two (the engine learns on the first step which results are only passed on). The
 end-of-step message that hands the step's outputs to the other ranks is counted apart: it is per step.
@@ -138,7 +138,7 @@ def _mlp_rank(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _transformer_rank(args: argparse.Namespace) -> dict[str, Any]:
-    """tests/models.py's TinyTransformer, placed as tests/test_pp_fidelity.py places it at pp = 2."""
+    """tests/models.py's TinyTransformer, placed as tests/runtime/test_pp_fidelity.py places it at pp = 2."""
     from models import causal_mask, lm_loss, make_model
     from models import make_batches as token_batches
 
@@ -146,7 +146,7 @@ def _transformer_rank(args: argparse.Namespace) -> dict[str, Any]:
               "default_partition": 0})  # fmt: skip
     model = smp.DistributedModel(make_model(d=args.tf_width, seq=args.tf_seq))
     blocks = model.module.blocks
-    for i, block in enumerate(blocks):  # tests/test_pp_fidelity.py's _place_manually at pp = 2
+    for i, block in enumerate(blocks):  # tests/runtime/test_pp_fidelity.py's _place_manually at pp = 2
         smp.set_partition(block, min(i // (len(blocks) // 2), 1))
     smp.set_partition(model.module.ln_f, 1)
     optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ except ImportError:  # no SageMaker, no `smp-compat run`: use smp_compat directl
 __all__ = [
     "SMP_IMPORT", "VOCAB", "SEQ", "Block", "TinyGPT", "make_model", "make_batches", "script_config", "init_smp",
     "lm_loss", "train_step", "eval_step", "partition_plan", "print_plan", "gather_parameters", "parse_args",
-    "main",
+    "setup", "train", "main",
 ]  # fmt: skip
 
 VOCAB, SEQ = 64, 16
@@ -200,22 +201,42 @@ def parse_args(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
-    """Train, print the plan and the losses on rank 0, evaluate in eval mode, optionally save for the tests."""
-    args = parse_args(__doc__.splitlines()[0])
-    torch.set_num_threads(1)
+def setup(args: argparse.Namespace) -> tuple[smp.DistributedModel, Any]:
+    """``smp.init``, the wrapped model (partitioned on its first step) and the wrapped optimizer."""
     init_smp(args.partition)
     model = smp.DistributedModel(make_model(smp.pp_size(), args.dropout))
     if args.partition == "manual":
         smp.set_partition(model.get_module().ln_f, smp.pp_size() - 1)  # the other style: after wrapping
     optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=args.lr))
+    return model, optimizer
 
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _same(value: float) -> float:
+    return value
+
+
+def train(
+    model: smp.DistributedModel,
+    optimizer: Any,
+    args: argparse.Namespace,
+    shard: Callable[[torch.Tensor], torch.Tensor] = _whole,
+    mean: Callable[[float], float] = _same,
+) -> None:
+    """Train, print the plan and the losses on rank 0, evaluate in eval mode, optionally save for the tests.
+
+    ``shard`` picks this data-parallel replica's part of a global batch and ``mean`` averages a metric over
+    the replicas (train_hybrid.py); with one replica both leave their argument as it is.
+    """
     losses, plan = [], {}
     for step, (x, y) in enumerate(make_batches(args.steps, args.global_batch)):
         optimizer.zero_grad()
-        out = train_step(model, x, y)  # later stages get the same inputs and ignore them
+        out = train_step(model, shard(x), shard(y))  # later stages get the same inputs and ignore them
         optimizer.step()
-        losses.append(out.reduce_mean().item())
+        losses.append(mean(out.reduce_mean().item()))  # a replica's loss is the mean over its shard
         if step == 0:
             plan = partition_plan(model)
             if smp.rank() == 0:
@@ -226,22 +247,31 @@ def main() -> None:
     x, y = make_batches(1, args.global_batch, seed=2)[0]
     model.eval()
     with torch.no_grad():
-        eval_loss, logits = eval_step(model, x, y)
+        eval_loss, logits = eval_step(model, shard(x), shard(y))
     model.train()
-    accuracy = (logits.concat().argmax(-1) == y).float().mean().item()
+    eval_mean = mean(eval_loss.reduce_mean().item())
+    accuracy = mean((logits.concat().argmax(-1) == shard(y)).float().mean().item())
     params = gather_parameters(model)
     if smp.rank() == 0:
-        print(f"eval: loss {eval_loss.reduce_mean().item():.6f}, next-token accuracy {accuracy:.3f}", flush=True)
+        print(f"eval: loss {eval_mean:.6f}, next-token accuracy {accuracy:.3f}", flush=True)
         if args.out:
-            torch.save(
-                {
-                    "losses": losses, "eval_loss": eval_loss.reduce_mean().item(), "eval_logits": logits.concat(),
-                    "params": params, "plan": plan, "config": smp.state.cfg.to_dict(), "world_size": smp.size(),
-                    "pp_size": smp.pp_size(), "dp_size": smp.dp_size(), "smp_import": SMP_IMPORT,
-                },
-                args.out,
-            )  # fmt: skip
+            result = {
+                "losses": losses, "eval_loss": eval_mean, "params": params, "plan": plan,
+                "config": smp.state.cfg.to_dict(), "world_size": smp.size(), "pp_size": smp.pp_size(),
+                "dp_size": smp.dp_size(), "smp_import": SMP_IMPORT,
+            }  # fmt: skip
+            if smp.dp_size() == 1:  # with replicas, rank 0 holds only its shard's logits
+                result["eval_logits"] = logits.concat()
+            torch.save(result, args.out)
     smp.barrier()
+
+
+def main() -> None:
+    """One pipeline replica over every process (pp = 2 with two processes)."""
+    args = parse_args(__doc__.splitlines()[0])
+    torch.set_num_threads(1)
+    model, optimizer = setup(args)
+    train(model, optimizer, args)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 from smp_compat import amp
 from smp_compat import patches as patches
 from smp_compat.patches import checkpoint as _patches_checkpoint  # noqa: F401 - smp.patches.checkpoint
-from smp_compat.checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing
-from smp_compat.creation import delay_param_initialization, model_creation
+from smp_compat.memory.activation_checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing
+from smp_compat.memory.model_creation import delay_param_initialization, model_creation
 from smp_compat.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -77,11 +77,12 @@ from smp_compat.ranks import (
     tp_rank,
     tp_size,
 )
-from smp_compat.checkpoints import resume_from_checkpoint, save_checkpoint
-from smp_compat.serialization import load, save
+from smp_compat.checkpoints.folders import save_checkpoint
+from smp_compat.checkpoints.resume import resume_from_checkpoint
+from smp_compat.checkpoints.serialization import load, save
 from smp_compat.globalstate import init, is_initialized, reset, shutdown, state
-from smp_compat.stepping import is_tracing, step
-from smp_compat.step_output import StepOutput
+from smp_compat.stepping.step import is_tracing, step
+from smp_compat.stepping.output import StepOutput
 
 __version__ = "0.1.0"
 

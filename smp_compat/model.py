@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from smp_compat import grads, state_dicts
-from smp_compat.checkpointing import apply_activation_checkpointing
-from smp_compat.creation import materialize_local
+from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
+from smp_compat.memory.activation_checkpointing import apply_activation_checkpointing
+from smp_compat.memory.model_creation import materialize_local
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -26,7 +26,8 @@ from smp_compat.errors import (
     StepUsageError,
 )
 from smp_compat.globalstate import process_group, state
-from smp_compat.stepping import active_call, in_step, is_tracing
+from smp_compat.stepping import grads
+from smp_compat.stepping.step import active_call, in_step, is_tracing
 
 __all__ = ["DistributedModel"]
 
@@ -73,7 +74,7 @@ class DistributedModel(nn.Module):
         self._steps_with_backward = 0
         self._step_calls = 0
         self._backward_ran = False
-        self._pending_state_dict: Any = None  # a load waiting for partitioning (state_dicts.py)
+        self._pending_state_dict: Any = None  # a load waiting for partitioning (checkpoints/deferred_loads.py)
         self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
         state.model = self
@@ -149,11 +150,11 @@ class DistributedModel(nn.Module):
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
-        state_dicts.apply_pending_model_loads(self)  # before fp16 masters are copied from the weights
+        deferred_loads.apply_pending_model_loads(self)  # before fp16 masters are copied from the weights
         self._sync_replicas()
         for action in self._partition_actions:
             action(self)
-        state_dicts.apply_pending_optimizer_loads()  # after masters and sharding exist
+        optimizer_state.apply_pending_optimizer_loads()  # after masters and sharding exist
         for hook in list(self._post_partition_hooks.values()):
             hook(self, state.optimizer)
 

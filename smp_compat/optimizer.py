@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from smp_compat import state_dicts
+from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
 from smp_compat.errors import CheckpointError, DistributedModelNotCreatedError, ParameterOwnershipError
-from smp_compat.fp16 import FP16Optimizer, LossScaler
+from smp_compat.precision.fp16 import FP16Optimizer, LossScaler
 from smp_compat.globalstate import state
-from smp_compat.sharding import OptimizerSharding
+from smp_compat.memory.optimizer_sharding import OptimizerSharding
 
 __all__ = ["DistributedOptimizer"]
 
@@ -59,22 +59,22 @@ def _check_ownership(optimizer: torch.optim.Optimizer, model: Any) -> None:
 
 
 def _patch(optimizer: torch.optim.Optimizer) -> None:
-    """Add SMP's state-dict methods (full, local, deferred load); the logic lives in state_dicts.py."""
+    """Add SMP's state-dict methods (full, local, deferred load); the logic lives in checkpoints/optimizer_state.py."""
     original_state_dict = optimizer.state_dict
     original_load = optimizer.load_state_dict
-    state_dicts.record_param_order(optimizer)
+    optimizer_state.record_param_order(optimizer)
 
     def state_dict(gather_to_rank0: bool = False, cast_to_cpu: bool = True) -> dict[str, Any]:
         """Plain torch format over every parameter; collective over the pipeline group once partitioned."""
-        return state_dicts.optimizer_state_dict(optimizer, original_state_dict, gather_to_rank0, cast_to_cpu)
+        return optimizer_state.optimizer_state_dict(optimizer, original_state_dict, gather_to_rank0, cast_to_cpu)
 
     def local_state_dict(**_: Any) -> dict[str, Any]:
         """This rank's parameters' state, marked ``_smp_is_partial``, with parameter names."""
-        return state_dicts.optimizer_local_state_dict(optimizer, original_state_dict)
+        return optimizer_state.optimizer_local_state_dict(optimizer, original_state_dict)
 
     def load_state_dict(state_dict: dict[str, Any]) -> None:
         """Full or partial dict; applied once the model is partitioned."""
-        state_dicts.load_optimizer_state(optimizer, state_dict, original_load)
+        optimizer_state.load_optimizer_state(optimizer, state_dict, original_load)
 
     def load_local_optimizer_state_dict(state_dict: dict[str, Any]) -> None:
         """SMP >= 1.10: like load_state_dict, for partial dicts only."""
@@ -90,4 +90,4 @@ def _patch(optimizer: torch.optim.Optimizer) -> None:
     optimizer.local_optimizer_state_dict = local_state_dict  # type: ignore[attr-defined]
     optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
     optimizer.load_local_optimizer_state_dict = load_local_optimizer_state_dict  # type: ignore[attr-defined]
-    state_dicts.attach_queued_optimizer_load(optimizer)
+    deferred_loads.attach_queued_optimizer_load(optimizer)

@@ -1,4 +1,9 @@
-"""Partitioning: where each module with state lives in the pipeline (manual contexts, tracing, auto plan)."""
+"""Partitioning: where each module with state lives in the pipeline (manual contexts, tracing, auto plan).
+
+``manual.py`` is ``smp.partition`` / ``smp.set_partition``, ``trace.py`` records a forward pass, ``auto.py``
+cuts the traced module tree into stages, ``plan.py`` is the plan both produce. May import the core only;
+the runtime applies the plan.
+"""
 
 from __future__ import annotations
 

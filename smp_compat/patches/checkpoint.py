@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from smp_compat.checkpointing import checkpoint, checkpoint_sequential
+from smp_compat.memory.activation_checkpointing import checkpoint, checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential"]

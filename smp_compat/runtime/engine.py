@@ -2,27 +2,26 @@
 
 pp_rank 0 runs the step body once per microbatch, as concurrent cooperative tasks; every rank
 serves calls to the modules it owns. Calls, replies and gradients travel as messages; see
-``remote.py`` for how autograd crosses ranks and ``tasks.py`` for how tasks take turns.
+``remote.py`` for how autograd crosses ranks, ``tasks.py`` for how tasks take turns, ``serving.py`` for
+the owner side of a call and ``dispatch.py`` for how a module call finds its owner.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import traceback
 import types
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from smp_compat import failure, timeline
-from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
+from smp_compat.memory.activation_checkpointing import requested_checkpointing
 from smp_compat.errors import RemoteError, StepUsageError
-from smp_compat.creation import materialize_local
+from smp_compat.memory.model_creation import materialize_local
 from smp_compat.partitioning import PartitionPlan
+from smp_compat.runtime.dispatch import dispatching_forward, sequential_forward
 from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
@@ -37,15 +36,15 @@ from smp_compat.runtime.remote import (
     ValueId,
     amp_state,
     context,
-    set_context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
+from smp_compat.runtime.serving import ServingSide
 from smp_compat.runtime.tasks import CONTINUE, SERVE_BACKWARD, SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.globalstate import state
-from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch
+from smp_compat.stepping.step import StepCall
 
 __all__ = ["PipelineEngine"]
 
@@ -53,8 +52,8 @@ log = logging.getLogger("smp_compat")
 
 
 
-class PipelineEngine:
-    """Everything pipeline-specific of one DistributedModel."""
+class PipelineEngine(ServingSide):
+    """Everything pipeline-specific of one DistributedModel (the owner side of calls is in serving.py)."""
 
     @classmethod
     def create(cls, model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PipelineEngine:
@@ -117,9 +116,9 @@ class PipelineEngine:
         for index, module in enumerate(self.placement.modules):
             owner = self.placement.rank_of_module(module)
             if owner is not None:
-                module.forward = types.MethodType(_dispatching_forward(self, index, owner, module.forward), module)
+                module.forward = types.MethodType(dispatching_forward(self, index, owner, module.forward), module)
             elif isinstance(module, nn.Sequential) and self.placement.spans_ranks(module):
-                module.forward = types.MethodType(_sequential_forward(self, index), module)
+                module.forward = types.MethodType(sequential_forward(self, index), module)
 
     def run_target(self, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
         """Execute a call target on this rank: a module's own forward, or a run of Sequential children."""
@@ -376,83 +375,6 @@ class PipelineEngine:
                 failure.stop_because(cause)
             raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
 
-    def _serve_get(self, message: Message) -> None:
-        hosted = self._hosted.get((message.src, message.meta["mb"]))
-        value = hosted.values.get(message.meta["value"]) if hosted else None
-        if value is None:
-            error = (f"rank {self.rank} no longer holds a result of microbatch {message.meta['mb']}: a result that "
-                     "stayed remote can only be used inside its microbatch (or returned from the step function)")
-            self._send(message.src, "got", {"req": message.meta["req"], "error": error})
-            return
-        self._send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
-
-    def _spawn(self, message: Message, priority_class: int, serve: Callable[[Task, Message], None]) -> None:
-        """A task for a served request: forwards before backwards (a forward reply is what rank 0 waits
-        on for its loss), each kind in arrival order."""
-        mb = message.meta["mb"]
-        forward = priority_class == SERVE_FORWARD
-        task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (priority_class, next(self._arrivals)), mb)
-        task.phase = "forward" if forward else "backward"
-        task.fn = lambda: serve(task, message)
-        self.scheduler.spawn(task)
-
-    def _serve_forward(self, task: Task, message: Message) -> None:
-        meta = message.meta
-        call_id, mb = meta["call"], meta["mb"]
-        description = f"{self._describe(meta['target'])} (microbatch {mb}, forward, called by rank {message.src})"
-        hosted = self._hosted.setdefault((message.src, mb), Hosted())
-        set_context(Context(task, mb))
-        set_current_microbatch(mb)
-        try:
-            inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
-            args, kwargs = fill_tensors(meta["skeleton"], inputs)
-            with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
-                result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
-            skeleton, outputs = flatten_tensors(result)
-        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            self._reply_error(message, "fwd_err", "call", description)
-            return
-        specs = []
-        hosted.descriptions[call_id] = self._describe(meta["target"])
-        for j, o in enumerate(outputs):
-            hosted.values[(call_id, "out", j)] = o
-            specs.append((tuple(o.shape), o.dtype, meta["grad"] and o.requires_grad))
-        reply = {"call": call_id, "skeleton": skeleton, "outputs": specs, "lazy": meta["lazy"]}
-        self._send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
-
-    def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
-        inputs = []
-        for i, spec in enumerate(specs):
-            if spec[0] == "ref":
-                inputs.append(hosted.values[spec[1]])
-                continue
-            t = data[spec[1]]
-            if spec[2]:
-                t.requires_grad_()
-                hosted.leaves.append(((call_id, "in", i), t))
-            hosted.values[(call_id, "in", i)] = t
-            inputs.append(t)
-        return inputs
-
-    def _serve_backward(self, task: Task, message: Message) -> None:
-        meta = message.meta
-        hosted = self._hosted[(message.src, meta["mb"])]
-        set_context(Context(task, meta["mb"]))
-        set_current_microbatch(meta["mb"])
-        try:
-            roots = [hosted.values[v] for v in meta["values"]]
-            self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
-        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            modules = ", ".join(sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
-            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)")
-            return
-        leaves, grads = hosted.collect_leaf_grads()
-        self._send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
-
-    def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
-        text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
-        self._send(message.src, kind, {key: message.meta[key], "error": text})
-
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
         """One ``@smp.step`` call: pp_rank 0 drives the microbatches, the other ranks serve until told to stop."""
@@ -521,15 +443,6 @@ def _detach(value: Any) -> Any:
     return fill_tensors(skeleton, [t.detach() for t in tensors])
 
 
-@contextlib.contextmanager
-def _autocast(amp: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for device_type, (enabled, dtype) in amp.items():
-            if enabled:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        yield
-
-
 def _require_context(engine: PipelineEngine, target: tuple[Any, ...]) -> Context:
     ctx = context()
     if ctx is None:
@@ -538,37 +451,3 @@ def _require_context(engine: PipelineEngine, target: tuple[Any, ...]) -> Context
             "function's microbatch. Call the model only inside an @smp.step function."
         )
     return ctx
-
-
-def _dispatching_forward(engine: PipelineEngine, index: int, owner: int, local: Callable[..., Any]) -> Callable[..., Any]:
-    """A forward that runs locally on the owner (and while tracing), else as a remote call."""
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if owner == engine.pp_rank or is_tracing():
-            return self._smp_local_forward(*args, **kwargs)  # looked up now: checkpointing may wrap it
-        if not in_step():
-            raise StepUsageError(
-                f"module {engine.placement.names[index]!r} lives on pipeline rank {owner}; with "
-                "pipeline_parallel_degree > 1 it can only be called inside an @smp.step function."
-            )
-        return engine.remote_call(owner, ("module", index), args, kwargs)
-
-    engine.placement.modules[index]._smp_local_forward = local
-    return forward
-
-
-def _sequential_forward(engine: PipelineEngine, index: int) -> Callable[..., Any]:
-    """nn.Sequential forward that sends each run of children living on one other rank as one request."""
-    runs = engine.placement.sequential_runs(engine.placement.modules[index])
-
-    def forward(self: nn.Module, x: Any) -> Any:
-        children = list(self)
-        for start, stop, rank in runs:
-            if rank is None or rank == engine.pp_rank or not in_step() or is_tracing():
-                for child in children[start:stop]:
-                    x = child(x)
-            else:
-                x = engine.remote_call(rank, ("seq", index, start, stop), (x,), {})
-        return x
-
-    return forward

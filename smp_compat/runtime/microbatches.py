@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from smp_compat.runtime.remote import Context, RemoteTensor, set_context
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import BACKWARD, FORWARD, Task
-from smp_compat.stepping import StepCall
+from smp_compat.stepping.step import StepCall
 
 if TYPE_CHECKING:
     from smp_compat.runtime.engine import PipelineEngine

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp_compat.creation import replace_in_place
+from smp_compat.memory.model_creation import replace_in_place
 from smp_compat.partitioning import PartitionPlan
 
 __all__ = ["Placement"]

@@ -9,12 +9,12 @@ from typing import Any
 from rich.console import Console
 from torch import nn
 
-from smp_compat.creation import is_delayed
+from smp_compat.memory.model_creation import is_delayed
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import state
 from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
-from smp_compat.serialize import broadcast_object
-from smp_compat.stepping import tracing_call
+from smp_compat.comm import broadcast_object
+from smp_compat.stepping.step import tracing_call
 
 __all__ = ["decide_plan", "render_plan"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from smp_compat.step_output import MAPPING, SET, container_kind, rebuild_mapping, rebuild_sequence, rebuild_set
+from smp_compat.stepping.output import MAPPING, SET, container_kind, rebuild_mapping, rebuild_sequence, rebuild_set
 
 __all__ = ["flatten_tensors", "fill_tensors", "Slot"]
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from smp_compat import timeline
-from smp_compat.serialize import tensor_to_object
+from smp_compat.comm import tensor_to_object
 
 __all__ = ["Message", "Transport", "create_channel_groups", "pack", "unpack", "HEADER_BYTES"]
 

@@ -47,7 +47,7 @@ def _check_no_real_smp() -> None:
 def install() -> None:
     """Make ``import smdistributed.modelparallel.torch`` give smp_compat in this process (notebooks, tests).
 
-    Safe to call twice. Submodules map too: ``smdistributed.modelparallel.torch.step`` is ``smp_compat.stepping``.
+    Safe to call twice. Submodules map too: ``smdistributed.modelparallel.torch.stepping.step`` is ``smp_compat.stepping.step``.
     """
     _check_no_real_smp()
     install_finder()

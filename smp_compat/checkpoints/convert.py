@@ -1,0 +1,405 @@
+"""Checkpoint converters: partial checkpoints (ours or SMP's) to one plain PyTorch state dict, and back.
+
+Reading needs neither SMP nor a running job: files load with ``weights_only=True``, and only on
+request (``unsafe``) with a full unpickler that stands in placeholders for SMP's own classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import types
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smp_compat.checkpoints import folders, optimizer_state, state_dicts
+from smp_compat.errors import CheckpointError
+from smp_compat.checkpoints.serialization import atomic_save
+
+__all__ = [
+    "PartFile",
+    "Layout",
+    "detect_layout",
+    "load_file",
+    "model_dict_of",
+    "optimizer_dict_of",
+    "merge_model",
+    "merge_optimizer",
+    "read_plan",
+    "split_model",
+    "write_checkpoint_parts",
+    "write_save_parts",
+    "SMPObject",
+]
+
+_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module")
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim")
+
+
+@dataclass(frozen=True)
+class PartFile:
+    """One per-rank file and the ranks its name gives."""
+
+    path: Path
+    pp_rank: int
+    tp_rank: int = 0
+    rdp_rank: int | None = None
+
+
+@dataclass
+class Layout:
+    """What a source on disk is: a ``save_checkpoint`` folder or ``smp.save`` parts, and its files."""
+
+    kind: str
+    naming: str
+    model_parts: list[PartFile] = field(default_factory=list)
+    optimizer_parts: list[PartFile] = field(default_factory=list)
+    folder: Path | None = None
+
+    @property
+    def pp_size(self) -> int:
+        return len({p.pp_rank for p in self.model_parts or self.optimizer_parts})
+
+
+# ---------------------------------------------------------------------- detection
+_FOLDER_MODEL = re.compile(r"^model_(\d+)_(\d+)\.pt$")
+_FOLDER_OPT = re.compile(r"^optimizer_states_(\d+)_(\d+)(?:_(\d+))?\.pt$")
+_SDP_MODEL = re.compile(r"^model_(\d+)\.pt$")
+
+
+def detect_layout(source: str | os.PathLike[str], tag: str | None = None) -> Layout:
+    """Recognise a checkpoint folder, a checkpoint root (``newest`` or ``tag``), or an ``smp.save`` base path."""
+    path = Path(source)
+    if path.is_dir():
+        if any(_FOLDER_MODEL.match(p.name) or _FOLDER_OPT.match(p.name) for p in path.iterdir()):
+            return _folder_layout(path)
+        if tag is not None or (path / folders.NEWEST_FILE).is_file():
+            return _folder_layout(folders.checkpoint_folder(path, tag))
+        if any(_SDP_MODEL.match(p.name) for p in path.iterdir()):
+            raise CheckpointError(
+                f"{path} holds sharded-data-parallel files (model_<shard>.pt): their flat parameter shards cannot "
+                "be merged without SMP's sharding metadata. Save a full state dict from the SMP job instead."
+            )
+        raise CheckpointError(
+            f"{path} is a directory without model_<pp>_<tp>.pt parts or a `newest` file. Pass a partial "
+            "checkpoint folder, the directory given to save_checkpoint (with --tag if it has no `newest`), or "
+            "the base path given to smp.save."
+        )
+    return _save_layout(path)
+
+
+def _folder_layout(folder: Path) -> Layout:
+    model, optimizer = [], []
+    for entry in sorted(folder.iterdir()):
+        if m := _FOLDER_MODEL.match(entry.name):
+            model.append(PartFile(entry, int(m[1]), int(m[2])))
+        elif m := _FOLDER_OPT.match(entry.name):
+            optimizer.append(PartFile(entry, int(m[1]), int(m[2]), int(m[3]) if m[3] is not None else None))
+    layout = Layout("checkpoint", "model_<pp>_<tp>.pt (save_checkpoint, SMP >= 1.10)", model, optimizer, folder)
+    _check_complete(layout.model_parts, str(folder))
+    return layout
+
+
+_SAVE_NAMINGS = (
+    ("v3", r"_(\d+)_(\d+)_(\d+)\.pt", "{f}_<pp>_<tp>_<rdp>.pt (smp.save v3=True)"),
+    ("1.10", r"_(\d+)_(\d+)\.pt", "{f}_<pp>_<tp>.pt (smp.save, SMP >= 1.10)"),
+    ("v2", r"_(\d+)_(\d+)", "{f}_<pp>_<tp> (smp.save, SMP 1.6-1.9 with tensor parallelism)"),
+    ("v1", r"_(\d+)", "{f}_<mp_rank> (smp.save, SMP <= 1.9)"),
+)
+
+
+def _save_layout(base: Path) -> Layout:
+    directory = base.parent if str(base.parent) else Path(".")
+    names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    for kind, tail, naming in _SAVE_NAMINGS:
+        pattern = re.compile(re.escape(base.name) + tail + "$")
+        parts = []
+        for name in sorted(names):
+            if m := pattern.match(name):
+                ranks = [int(g) for g in m.groups()]
+                parts.append(PartFile(directory / name, ranks[0], *(ranks[1:2] or [0]), *(ranks[2:3] or [None])))
+        if parts:
+            _check_complete(parts, str(base))
+            return Layout("save", naming, parts, [], None)
+    if base.is_file():
+        raise CheckpointError(
+            f"{base} is a single file, not a set of per-rank parts: it is already a full state dict (or pass the "
+            "base name given to smp.save, without the _<rank> suffix)."
+        )
+    raise CheckpointError(
+        f"No checkpoint parts found for {str(base)!r}: expected files named {base.name}_<pp>_<tp>.pt, "
+        f"{base.name}_<pp>_<tp>_<rdp>.pt, {base.name}_<pp>_<tp> or {base.name}_<rank> in {directory}."
+    )
+
+
+def _check_complete(parts: list[PartFile], where: str) -> None:
+    """Pipeline ranks 0..n-1 all present; tensor-parallel shards cannot be merged (split axes unknown)."""
+    if not parts:
+        return
+    tps = sorted({p.tp_rank for p in parts})
+    if tps != [0]:
+        raise CheckpointError(
+            f"{where} has tensor-parallel shards (tp ranks {tps}). smp_compat cannot merge them: the split axis of "
+            "each distributed module is SMP-internal. Save a full state dict (model.state_dict()) in the SMP job."
+        )
+    pps = sorted({p.pp_rank for p in parts})
+    if pps != list(range(len(pps))):
+        raise CheckpointError(
+            f"{where} has parts for pipeline ranks {pps}; ranks {sorted(set(range(max(pps) + 1)) - set(pps))} are "
+            "missing. Copy every part file of the checkpoint."
+        )
+
+
+# ---------------------------------------------------------------------- reading files
+class SMPObject:
+    """Stands in for an object of a class that cannot be imported here (SMP's own): keeps its data."""
+
+    _smp_class = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, value: Any) -> None:
+        self.state = value
+
+    def __repr__(self) -> str:
+        return f"<placeholder for {self._smp_class}>"
+
+
+class _StubUnpickler(pickle.Unpickler):
+    """Full unpickling (trusted files only) with placeholders for SMP's classes, so SMP need not be installed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.split(".")[0] == "smdistributed":
+            return type(name, (SMPObject,), {"_smp_class": f"{module}.{name}", "__module__": __name__})
+        return super().find_class(module, name)
+
+
+_stub_pickle = types.ModuleType("smp_compat_stub_pickle")
+_stub_pickle.Unpickler = _StubUnpickler  # type: ignore[attr-defined]
+_stub_pickle.load = lambda f, **kw: _StubUnpickler(f, **kw).load()  # type: ignore[attr-defined]
+_stub_pickle.__name__ = "pickle"
+
+
+def load_file(path: str | os.PathLike[str], unsafe: bool = False) -> Any:
+    """``torch.load`` on the CPU, weights only; ``unsafe`` unpickles anything (for files you trust)."""
+    if not unsafe:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(
+                f"{path} holds Python objects that safe loading refuses ({str(exc).splitlines()[0]}). If you trust "
+                "this file, pass --unsafe (unsafe=True); SMP's own classes then load as placeholders."
+            ) from exc
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_stub_pickle)
+
+
+def _select(obj: Any, key: str | None, defaults: tuple[str, ...], looks_right: Any, what: str, path: Path) -> Any:
+    if key:
+        for part in key.split("."):
+            if not isinstance(obj, Mapping) or part not in obj:
+                raise CheckpointError(f"{path} has no entry {key!r} (top-level keys: {_keys(obj)}).")
+            obj = obj[part]
+        if not looks_right(obj):
+            raise CheckpointError(f"Entry {key!r} of {path} is not a {what} state dict.")
+        return obj
+    if looks_right(obj):
+        return obj
+    if isinstance(obj, Mapping):
+        for candidate in defaults:
+            if looks_right(obj.get(candidate)):
+                return obj[candidate]
+    raise CheckpointError(
+        f"{path} is not a {what} state dict and has none under {list(defaults)} (top-level keys: {_keys(obj)}). "
+        f"Name the entry that holds it with --key (e.g. --key model)."
+    )
+
+
+def _keys(obj: Any) -> Any:
+    return sorted(map(str, obj))[:12] if isinstance(obj, Mapping) else type(obj).__name__
+
+
+def _is_optimizer_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and "state" in obj and isinstance(obj.get("param_groups"), list)
+
+
+def _is_model_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and not _is_optimizer_dict(obj)
+        and any(isinstance(v, torch.Tensor) for v in obj.values())
+    )
+
+
+def model_dict_of(obj: Any, key: str | None, path: Path) -> Mapping[str, Any]:
+    """The model state dict in a loaded part: the object itself, ``obj[key]``, or a usual entry (``model``...)."""
+    return _select(obj, key, _MODEL_KEYS, _is_model_dict, "model", path)
+
+
+def optimizer_dict_of(obj: Any, key: str | None, path: Path) -> Mapping[str, Any]:
+    return _select(obj, key, _OPTIMIZER_KEYS, _is_optimizer_dict, "optimizer", path)
+
+
+# ---------------------------------------------------------------------- merging
+def _strip(sd: Mapping[str, Any], prefix: str) -> OrderedDict[str, Any]:
+    """``auto``: drop ``module.`` wrappers when every tensor key has them; ``none``/``""``: keep; else that prefix."""
+    out = OrderedDict(sd.items())
+    if prefix in ("", "none"):
+        return out
+    if prefix != "auto":
+        return OrderedDict((k[len(prefix):] if k.startswith(prefix) else k, v) for k, v in out.items())
+    while out and all(k.startswith("module.") for k, v in out.items() if isinstance(v, torch.Tensor)):
+        out = OrderedDict((k[len("module."):] if k.startswith("module.") else k, v) for k, v in out.items())
+    return out
+
+
+def merge_model(
+    layout: Layout, key: str | None = None, strip_prefix: str = "auto", unsafe: bool = False
+) -> OrderedDict:
+    """One plain state dict from the model parts (pipeline ranks in order; rdp replica 0 of v3 parts)."""
+    if not layout.model_parts:
+        raise CheckpointError(f"{layout.folder or 'The source'} has no model parts (it was saved without a model).")
+    parts = sorted((p for p in layout.model_parts if not p.rdp_rank), key=lambda p: p.pp_rank)
+    dicts = [model_dict_of(load_file(p.path, unsafe), key, p.path) for p in parts]
+    merged = state_dicts.merge_model_parts(dicts)
+    return _strip(merged, strip_prefix)
+
+
+def merge_optimizer(layout: Layout, key: str | None = None, unsafe: bool = False) -> dict[str, Any]:
+    """One plain torch optimizer dict from the optimizer parts (needs ``local_state_dict`` parts)."""
+    parts = layout.optimizer_parts
+    if layout.kind == "save":
+        parts = layout.model_parts  # smp.save files hold whatever was saved: look for the optimizer inside
+    if not parts:
+        raise CheckpointError(f"{layout.folder or 'The source'} has no optimizer parts.")
+    ordered = sorted(parts, key=lambda p: (p.pp_rank, p.rdp_rank or 0))
+    dicts = [optimizer_dict_of(load_file(p.path, unsafe), key, p.path) for p in ordered]
+    return optimizer_state.merge_optimizer_parts(dicts)
+
+
+# ---------------------------------------------------------------------- splitting
+def read_plan(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """A partition plan: JSON (``PartitionPlan.to_dict()`` or ``{"assignment": ...}``), or a checkpoint's config."""
+    path = Path(source)
+    if path.is_dir():
+        folder = path if (path / folders.CONFIG_FILE).is_file() else folders.checkpoint_folder(path, None)
+        path = folder / folders.CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"Partition plan source {str(source)!r} does not exist.")
+    if path.suffix == ".json":
+        try:
+            plan = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"Cannot read the partition plan {path}: {exc}.") from exc
+    else:
+        plan = load_file(path).get("partition")
+    if not isinstance(plan, Mapping) or not isinstance(plan.get("assignment"), Mapping):
+        raise CheckpointError(
+            f"{path} has no partition plan (a dict with an 'assignment' of module name to pipeline rank). Pass a "
+            "plan JSON or a checkpoint saved by smp_compat with pipeline_parallel_degree > 1."
+        )
+    return dict(plan)
+
+
+def _owner(key: str, assignment: Mapping[str, int]) -> int | None:
+    """The rank of the module that holds the entry (a plan assigns every module that holds state)."""
+    rank = assignment.get(key.rpartition(".")[0])
+    return None if rank is None else int(rank)
+
+
+def split_model(sd: Mapping[str, Any], pp: int, plan: Mapping[str, Any] | None = None) -> list[OrderedDict]:
+    """Per-pipeline-rank parts of a plain state dict, marked partial; by ``plan``, else balanced by bytes.
+
+    Any split loads (a part saved under another partition is merged on load); the job's own plan
+    lets each rank load its part directly.
+    """
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise CheckpointError(f"The pipeline degree to split for must be a positive int, got {pp!r}.")
+    entries = state_dicts.strip_markers(sd)
+    owners = _plan_owners(entries, pp, plan) if plan is not None else _balanced_owners(entries, pp)
+    parts = [OrderedDict() for _ in range(pp)]
+    for k, v in entries.items():
+        if isinstance(v, torch.Tensor):
+            parts[owners[k]][k] = v
+        else:
+            for part in parts:
+                part[k] = v
+    info_plan = None
+    if plan is not None:
+        info_plan = {"assignment": dict(plan["assignment"]), "pp_size": pp, "method": plan.get("method", "manual")}
+    for part in parts:
+        part[state_dicts.PARTIAL_KEY] = True
+        part[state_dicts.LOAD_INFO_KEY] = {"tensor_parallel_degree": 1, "pipeline_parallel_degree": pp,
+                                           "partition_info": info_plan}  # fmt: skip
+    return parts
+
+
+def _plan_owners(entries: Mapping[str, Any], pp: int, plan: Mapping[str, Any]) -> dict[str, int]:
+    assignment = plan["assignment"]
+    owners, unplaced = {}, []
+    for k, v in entries.items():
+        rank = _owner(k, assignment)
+        if isinstance(v, torch.Tensor) and (rank is None or not 0 <= rank < pp):
+            unplaced.append(k)
+        owners[k] = rank if rank is not None else 0
+    if unplaced:
+        raise CheckpointError(
+            f"The partition plan places no module of {unplaced[:8]} on a rank in 0..{pp - 1}. Use the plan of the "
+            "job that will load the checkpoint (its smp_config.pt), or split without a plan."
+        )
+    return owners
+
+
+def _balanced_owners(entries: Mapping[str, Any], pp: int) -> dict[str, int]:
+    """Contiguous runs of modules (in key order) with about equal bytes per rank; a module never split."""
+    modules: OrderedDict[str, int] = OrderedDict()
+    for k, v in entries.items():
+        size = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+        module = k.rpartition(".")[0]
+        modules[module] = modules.get(module, 0) + size
+    total = sum(modules.values()) or 1
+    rank_of, done = {}, 0
+    for module, size in modules.items():
+        rank_of[module] = min(done * pp // total, pp - 1)
+        done += size
+    return {k: rank_of[k.rpartition(".")[0]] for k in entries}
+
+
+def write_checkpoint_parts(parts: list[Mapping[str, Any]], root: str | os.PathLike[str], tag: str,
+                           plan: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
+    """A resumable partial checkpoint folder (model only) from split parts, published atomically."""
+    root = Path(root)
+    name = f"{folders.check_tag(tag)}{folders.PARTIAL_SUFFIX}"
+    root.mkdir(parents=True, exist_ok=True)
+    folders.recover_interrupted(root)
+    staging = folders.staging_folder(root, name)
+    pp = len(parts)
+    for rank, part in enumerate(parts):
+        atomic_save(part, staging / folders.model_file(rank, 0))
+    atomic_save(None, staging / folders.USER_CONTENT_FILE)
+    partition = None
+    if plan is not None:
+        partition = {"assignment": dict(plan["assignment"]), "pp_size": pp, "method": plan.get("method", "manual")}
+    atomic_save({"config": {"pipeline_parallel_degree": pp, "tensor_parallel_degree": 1},
+                 "smp_version": "smp_compat (smp-compat checkpoint split)", "tag": tag, "pipeline_parallel_degree": pp,
+                 "tensor_parallel_degree": 1, "partition": partition},
+                staging / folders.CONFIG_FILE)  # fmt: skip
+    folders.publish_folder(root, staging, name)
+    return root / name
+
+
+def write_save_parts(parts: list[Mapping[str, Any]], base: str | os.PathLike[str]) -> list[Path]:
+    """``smp.save`` part files ``{base}_{pp}_0.pt`` (load them with ``smp.load(base)``)."""
+    paths = []
+    for rank, part in enumerate(parts):
+        path = Path(f"{base}_{rank}_0.pt")
+        atomic_save(part, path)
+        paths.append(path)
+    return paths

@@ -1,0 +1,127 @@
+"""``smp-compat checkpoint``: inspect, merge and split SMP / smp_compat checkpoints (no job, no SMP needed)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from smp_compat.checkpoints import convert, folders
+from smp_compat.errors import CheckpointError
+from smp_compat.checkpoints.serialization import atomic_save
+
+__all__ = ["checkpoint_command"]
+
+_EPILOG = """\
+examples:
+  smp-compat checkpoint info ckpts/
+  smp-compat checkpoint merge ckpts/ -o model.pt                 # newest partial checkpoint -> one state dict
+  smp-compat checkpoint merge ckpts/ --tag step100 -o model.pt --optimizer-output optim.pt
+  smp-compat checkpoint merge /smp/checkpoint.pt -o model.pt      # smp.save parts checkpoint.pt_0, _1 ...
+  smp-compat checkpoint split model.pt --pp 2 -o ckpts/ --tag imported [--plan ckpts/step100_partial]
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="smp-compat checkpoint",
+        description="Convert between partial (per-rank) checkpoints of SMP v1 or smp_compat and plain PyTorch "
+        "state-dict files. Files load with weights_only=True unless --unsafe is given.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    info = sub.add_parser("info", help="describe a checkpoint: layout, parts, tags, saved config")
+    _source_options(info)
+    merge = sub.add_parser("merge", help="merge a partial checkpoint into one plain PyTorch state-dict file")
+    _source_options(merge)
+    merge.add_argument("-o", "--output", required=True, help="file to write the merged model state dict to")
+    merge.add_argument("--optimizer-output", help="also merge the optimizer parts into this file")
+    merge.add_argument("--key", help="entry of each part that holds the model dict (default: found)")
+    merge.add_argument("--optimizer-key", help="entry of each part that holds the optimizer dict (default: found)")
+    merge.add_argument("--strip-prefix", default="auto",
+                       help="'auto' drops a module. wrapper prefix on every key, 'none' keeps keys, else this prefix")
+    split = sub.add_parser("split", help="split a plain state dict into a partial checkpoint for --pp ranks")
+    split.add_argument("source", help="a plain PyTorch state-dict file (or one holding it under --key)")
+    split.add_argument("-o", "--output", required=True,
+                       help="checkpoint directory (the smp.save base path with --layout save)")
+    split.add_argument("--pp", type=int, required=True, help="pipeline_parallel_degree of the job that will load it")
+    split.add_argument("--plan", help="partition plan: JSON, or a checkpoint (folder) saved by that job")
+    split.add_argument("--tag", default="converted", help="tag of the checkpoint folder (default: converted)")
+    split.add_argument("--layout", choices=("checkpoint", "save"), default="checkpoint",
+                       help="checkpoint: <output>/<tag>_partial/ for resume_from_checkpoint; save: smp.save parts")
+    split.add_argument("--key", help="entry of the file that holds the model dict (default: found)")
+    split.add_argument("--unsafe", action="store_true", help="unpickle arbitrary objects (trusted files only)")
+    return parser
+
+
+def _source_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="partial checkpoint folder, save_checkpoint directory, or smp.save base path")
+    parser.add_argument("--tag", help="checkpoint tag inside a save_checkpoint directory (default: newest)")
+    parser.add_argument("--unsafe", action="store_true", help="unpickle arbitrary objects (trusted files only)")
+
+
+def checkpoint_command(argv: list[str]) -> int:
+    """Entry of ``smp-compat checkpoint``; errors are CheckpointError (the caller prints them)."""
+    ns = _parser().parse_args(argv)
+    return {"info": _info, "merge": _merge, "split": _split}[ns.action](ns)
+
+
+def _info(ns: argparse.Namespace) -> int:
+    layout = convert.detect_layout(ns.source, ns.tag)
+    print(f"layout: {layout.naming}")
+    if layout.folder is not None:
+        print(f"folder: {layout.folder}")
+    print(f"pipeline parts: {layout.pp_size}")
+    for part in layout.model_parts:
+        print(f"  model     pp={part.pp_rank} tp={part.tp_rank}{_rdp(part)}  {part.path.name}")
+    for part in layout.optimizer_parts:
+        print(f"  optimizer pp={part.pp_rank} tp={part.tp_rank}{_rdp(part)}  {part.path.name}")
+    config = layout.folder / "smp_config.pt" if layout.folder is not None else None
+    if config is not None and config.is_file():
+        saved = convert.load_file(config, ns.unsafe)
+        if isinstance(saved, dict):
+            print(f"saved by: {saved.get('smp_version', '?')}")
+            degrees = {k: saved.get(k) for k in ("pipeline_parallel_degree", "tensor_parallel_degree") if k in saved}
+            print(f"degrees: {degrees}")
+    if layout.folder is not None:
+        newest = folders.read_newest(layout.folder.parent)
+        if newest:
+            print(f"newest (oldest first): {', '.join(newest)}")
+    return 0
+
+
+def _rdp(part: convert.PartFile) -> str:
+    return f" rdp={part.rdp_rank}" if part.rdp_rank is not None else ""
+
+
+def _merge(ns: argparse.Namespace) -> int:
+    layout = convert.detect_layout(ns.source, ns.tag)
+    merged = convert.merge_model(layout, ns.key, ns.strip_prefix, ns.unsafe)
+    atomic_save(merged, ns.output)
+    tensors = sum(1 for v in merged.values() if isinstance(v, torch.Tensor))
+    print(f"wrote {ns.output}: {tensors} tensors from {layout.pp_size} pipeline part(s) ({layout.naming})")
+    if ns.optimizer_output:
+        optimizer = convert.merge_optimizer(layout, ns.optimizer_key, ns.unsafe)
+        atomic_save(optimizer, ns.optimizer_output)
+        print(f"wrote {ns.optimizer_output}: optimizer state of {len(optimizer['state'])} parameter(s)")
+    return 0
+
+
+def _split(ns: argparse.Namespace) -> int:
+    source = Path(ns.source)
+    if not source.is_file():
+        raise CheckpointError(f"{source} is not a file. Pass a plain PyTorch state-dict file to split.")
+    sd = convert.model_dict_of(convert.load_file(source, ns.unsafe), ns.key, source)
+    plan = convert.read_plan(ns.plan) if ns.plan else None
+    parts = convert.split_model(sd, ns.pp, plan)
+    if ns.layout == "save":
+        paths = convert.write_save_parts(parts, ns.output)
+        print(f"wrote {len(paths)} smp.save part(s): {', '.join(str(p) for p in paths)} (smp.load({ns.output!r}))")
+        return 0
+    folder = convert.write_checkpoint_parts(parts, ns.output, ns.tag, plan)
+    print(f"wrote {folder} for pipeline_parallel_degree={ns.pp}: resume with "
+          f"smp.resume_from_checkpoint({ns.output!r}, tag={ns.tag!r}, load_optimizer=False)")  # fmt: skip
+    return 0

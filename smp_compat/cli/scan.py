@@ -1,0 +1,424 @@
+"""Reading an SMP script without running it: every SMP name and config key it uses, as findings.
+
+``smp-compat check`` (``check.py``) reports them. Every use of ``smdistributed.modelparallel.torch`` (under any import alias, ``from ... import`` names and
+attribute chains such as ``smp.nn.DistributedLinear`` or ``smp.state.cfg.fp16``) and every config key (dicts
+passed to ``smp.init``, ``"parameters"`` of a SageMaker distribution dict, JSON config files) is looked up
+in :mod:`smp_compat.cli.support`, the registry the docs table is generated from. Methods of the wrapped model
+(``model.local_state_dict()``) are not attributed: only the module-level API is visible without running.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smp_compat.config import SMPConfig
+from smp_compat.cli.support import CONFIG, Status, config_value_status, lookup_api, suggest_key
+
+__all__ = ["ERROR", "RANK", "FileReport", "Finding", "check_source", "record_config_key", "record_mpi_key"]
+
+ERROR = "error"
+"""A status beyond the registry's: something SMP itself would reject too (unknown key or name, bad JSON)."""
+
+PKG = "smdistributed.modelparallel.torch"
+_PKG_PARTS = PKG.split(".")
+_PARENT_PARTS = _PKG_PARTS[:2]
+_OWN_PACKAGE = "smp_compat"
+RANK = {Status.SUPPORTED.value: 0, Status.PARTIAL.value: 1, Status.UNSUPPORTED.value: 2, ERROR: 3}
+_MPI_KEYS = {
+    "enabled": (Status.SUPPORTED, "MPI launch settings: smp-compat run starts the processes with torchrun.", ""),
+    "processes_per_host": (Status.SUPPORTED, "The default --nproc-per-node of smp-compat run.", ""),
+    "custom_mpi_options": (Status.PARTIAL, "Ignored: the processes are started by torchrun, not mpirun.",
+                           "Pass launcher options to smp-compat run (torchrun options) or to srun/mpirun."),
+}  # fmt: skip
+_MAX_VALUE = 40
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class Finding:
+    """One SMP name or config key used by one file, with every line it appears on."""
+
+    kind: str  # "api", "config", "config read", "launch"
+    name: str
+    status: str
+    lines: list[int] = field(default_factory=list)
+    note: str = ""
+    action: str = ""
+    values: list[str] = field(default_factory=list)
+
+    def merge(self, line: int, status: str, note: str, action: str, value: str | None) -> None:
+        """Another use: the worst status (and its explanation) wins; lines and values accumulate."""
+        if line not in self.lines:
+            self.lines.append(line)
+            self.lines.sort()
+        if value is not None and value not in self.values:
+            self.values.append(value)
+        if RANK[status] > RANK[self.status]:
+            self.status, self.note, self.action = status, note, action
+
+
+@dataclass
+class FileReport:
+    """Everything found in one file, in order of first appearance; ``error`` when it could not be read."""
+
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    error: str | None = None
+    config_files: list[Path] = field(default_factory=list)
+
+    def add(self, kind: str, name: str, line: int, status: Status | str, note: str = "", action: str = "",
+            value: str | None = None) -> None:  # fmt: skip
+        status = status.value if isinstance(status, Status) else status
+        for finding in self.findings:
+            if finding.kind == kind and finding.name == name:
+                finding.merge(line, status, note, action, value)
+                return
+        self.findings.append(Finding(kind, name, status, [line], note, action, [] if value is None else [value]))
+
+    def sorted_findings(self) -> list[Finding]:
+        return sorted(self.findings, key=lambda f: (f.lines[0], f.kind != "api"))  # stable: ties keep source order
+
+    def worst(self) -> str:
+        statuses = [f.status for f in self.findings] + ([ERROR] if self.error else [])
+        return max(statuses, key=RANK.__getitem__, default=Status.SUPPORTED.value)
+
+
+# ---------------------------------------------------------------- classification
+
+
+def _classify_api(report: FileReport, parts: list[str], line: int) -> None:
+    """Record the SMP name that a full dotted path (``smdistributed.modelparallel.torch.nn.X``) refers to."""
+    if parts[: len(_PKG_PARTS)] == _PKG_PARTS:
+        rel = parts[len(_PKG_PARTS) :]
+        if not rel:
+            return
+        if rel[:2] == ["state", "cfg"] and len(rel) >= 3:
+            _config_read(report, rel[2], line)
+            return
+        found = lookup_api(rel)
+        if found is None and _own_addition(rel[0]):
+            report.add("api", f"smp_compat.{rel[0]}", line, Status.SUPPORTED, "An smp_compat addition, not part of "
+                       "SMP v1: import it from smp_compat.")  # fmt: skip
+            return
+        if found is None:
+            name = f"smp.{rel[0]}"
+            report.add("api", name, line, ERROR, f"{name} is not an SMP v1 API that smp_compat knows (a typo, or an "
+                       "internal SMP name).", "Check the name against docs/api_support.md.")  # fmt: skip
+            return
+        entry, covered = found
+        name = "smp." + ".".join(rel if entry.group else rel[:covered])
+        report.add("api", name, line, entry.status, entry.note, entry.action)
+    elif parts[:2] == ["smdistributed", "dataparallel"]:
+        report.add("api", "smdistributed.dataparallel", line, Status.UNSUPPORTED, "SageMaker's data-parallel "
+                   "library (SMDDP) is a different library, not provided by smp_compat.", "Use torch.distributed "
+                   "(DistributedDataParallel, backend nccl), or SMP's own data parallelism (ddp: true).")  # fmt: skip
+    elif parts[:2] == _PARENT_PARTS and len(parts) > 2 and parts[2] != "torch":
+        name = ".".join(parts[:3])
+        if parts[2] == "__version__":
+            report.add("api", name, line, Status.SUPPORTED, "The SMP v1 API level smp_compat follows (1.15.0).")
+        else:
+            report.add("api", name, line, Status.UNSUPPORTED, "Only SMP's PyTorch API (smdistributed.modelparallel"
+                       ".torch) is provided.", "Port this part to torch.")  # fmt: skip
+
+
+def _own_addition(name: str) -> bool:
+    """A public smp_compat module or name that SMP never had (timeline, testing): not an error."""
+    if name.startswith("_"):
+        return False
+    return importlib.util.find_spec(f"{_OWN_PACKAGE}.{name}") is not None
+
+
+def _config_read(report: FileReport, key: str, line: int) -> None:
+    """``smp.state.cfg.<key>``: the resolved config holds every key; a key not acted on is worth a look."""
+    name = f"smp.state.cfg.{key}"
+    entry = CONFIG.get(key)
+    if entry is None:
+        if not key.startswith("_") and hasattr(SMPConfig, key):
+            report.add("config read", name, line, Status.SUPPORTED, "An attribute of smp_compat's resolved config.")
+            return
+        report.add("config read", name, line, ERROR, f"The config has no key {key!r}.", _did_you_mean(key))
+        return
+    if entry.status is Status.PARTIAL:
+        report.add("config read", name, line, Status.PARTIAL, f"Holds the configured value, but smp_compat does not "
+                   f"act on {key}: code that branches on it may expect SMP behaviour that is missing here.",
+                   entry.action)  # fmt: skip
+    else:
+        always_default = entry.status is Status.UNSUPPORTED
+        note = "Holds the configured value." + (" (Always the default here.)" if always_default else "")
+        report.add("config read", name, line, Status.SUPPORTED, note)
+
+
+def _did_you_mean(key: str) -> str:
+    close = suggest_key(key)
+    return ("Did you mean " + " or ".join(repr(c) for c in close) + "?") if close else "Remove it."
+
+
+def record_config_key(report: FileReport, key: str, line: int, value: Any, known: bool, shown: str) -> None:
+    """One key of an SMP parameters dict, judged with its value when that is a literal."""
+    if key not in CONFIG:
+        report.add("config", key, line, ERROR, "Not an SMP v1 config key: SMP and smp_compat both reject unknown "
+                   "keys at smp.init.", _did_you_mean(key), shown)  # fmt: skip
+        return
+    status, note = config_value_status(key, value, known)
+    report.add("config", key, line, status, note, CONFIG[key].action if status is not Status.SUPPORTED else "", shown)
+
+
+def record_mpi_key(report: FileReport, key: str, line: int, shown: str) -> None:
+    status, note, action = _MPI_KEYS.get(key, (ERROR, "Not a SageMaker mpi setting.", "Remove it."))
+    report.add("launch", f"mpi.{key}", line, status, note, action, shown)
+
+
+# ---------------------------------------------------------------- Python sources
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"]; None when the chain does not start at a plain name."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return parts[::-1]
+
+
+def _smp_path(module: str) -> str | None:
+    """An imported module path in SMP spelling (smp_compat counts as SMP); None when it is not SMP's."""
+    if module == _OWN_PACKAGE or module.startswith(_OWN_PACKAGE + "."):
+        return PKG + module[len(_OWN_PACKAGE) :]
+    if module == "smdistributed" or module.startswith("smdistributed."):
+        return module
+    return None
+
+
+def _literal(node: ast.AST) -> tuple[Any, bool]:
+    try:
+        return ast.literal_eval(node), True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None, False
+
+
+def _const_str(node: ast.AST | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+class _Source:
+    """One parsed script: import aliases, dict-valued variables, and the walk that reports SMP uses."""
+
+    def __init__(self, tree: ast.Module, text: str, report: FileReport, path: Path | None) -> None:
+        self.tree, self.text, self.report, self.path = tree, text, report, path
+        self.aliases: dict[str, str] = {}
+        self.dict_vars: dict[str, list[tuple[str | None, ast.AST, int]]] = {}
+        self.returns: dict[str, list[ast.AST]] = {}  # function name -> the expressions it returns
+        self.seen_dicts: set[int] = set()
+
+    # ---- pass 1: names
+    def collect(self) -> None:
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Import):
+                self._import(node)
+            elif isinstance(node, ast.ImportFrom):
+                self._import_from(node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                self._assignment(node)
+            elif isinstance(node, ast.Call):
+                self._update_call(node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.returns.setdefault(node.name, []).extend(
+                    sub.value for sub in ast.walk(node) if isinstance(sub, ast.Return) and sub.value is not None
+                )
+
+    def _import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            path = _smp_path(alias.name)
+            if path is None:
+                continue
+            if alias.asname:
+                self.aliases[alias.asname] = path
+                _classify_api(self.report, path.split("."), node.lineno)
+            else:  # `import a.b.c` binds `a`
+                root = alias.name.split(".")[0]
+                self.aliases[root] = _smp_path(root) or root
+
+    def _import_from(self, node: ast.ImportFrom) -> None:
+        base = _smp_path(node.module or "") if node.level == 0 else None
+        if base is None:
+            return
+        for alias in node.names:
+            if alias.name == "*":
+                self.report.hints.append(f"line {node.lineno}: `from {node.module} import *` hides which SMP names "
+                                         "are used; import them by name to have them checked.")  # fmt: skip
+                continue
+            path = f"{base}.{alias.name}"
+            self.aliases[alias.asname or alias.name] = path
+            _classify_api(self.report, path.split("."), node.lineno)
+
+    def _assignment(self, node: ast.Assign | ast.AnnAssign) -> None:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if node.value is None:
+            return
+        for target in targets:
+            if isinstance(target, ast.Name):
+                self.dict_vars.setdefault(target.id, []).append((None, node.value, node.lineno))
+            elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                key = _const_str(target.slice)
+                if key is not None:
+                    self.dict_vars.setdefault(target.value.id, []).append((key, node.value, node.lineno))
+
+    def _update_call(self, node: ast.Call) -> None:
+        """``cfg.update({...})`` / ``cfg.update(key=value)`` add keys to the dict variable ``cfg``."""
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "update" and isinstance(func.value, ast.Name):
+            entries = self.dict_vars.setdefault(func.value.id, [])
+            entries.extend((None, arg, node.lineno) for arg in node.args)
+            entries.extend((kw.arg, kw.value, node.lineno) for kw in node.keywords if kw.arg)
+
+    # ---- pass 2: uses
+    def walk(self) -> None:
+        self._visit(self.tree)
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Dict):
+                self._distribution_dict(node)
+
+    def _visit(self, node: ast.AST) -> None:
+        if isinstance(node, ast.Attribute):
+            parts = _chain(node)
+            if parts is not None and parts[0] in self.aliases:
+                self._use(parts, node.lineno)
+                return
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in self.aliases:
+            self._use([node.id], node.lineno)
+        elif isinstance(node, ast.Call):
+            self._maybe_init(node)
+        for child in ast.iter_child_nodes(node):
+            self._visit(child)
+
+    def _use(self, parts: list[str], line: int) -> None:
+        _classify_api(self.report, self.aliases[parts[0]].split(".") + parts[1:], line)
+
+    def _resolve(self, node: ast.AST) -> list[str] | None:
+        parts = _chain(node)
+        if parts is None or parts[0] not in self.aliases:
+            return None
+        return self.aliases[parts[0]].split(".") + parts[1:]
+
+    def _maybe_init(self, node: ast.Call) -> None:
+        if self._resolve(node.func) != [*_PKG_PARTS, "init"]:
+            return
+        config = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "config"), None)
+        if config is None:
+            self.report.hints.append(
+                f"line {node.lineno}: smp.init() without a dict takes its config from the launcher "
+                "(SM_HP_MP_PARAMETERS): check your estimator's distribution too, e.g. "
+                "`smp-compat check script.py distribution.json`."
+            )
+            return
+        path = _const_str(config)
+        if path is not None:
+            self._config_file(path, node.lineno)
+            return
+        self._parameters(config, node.lineno, allow_distribution=True)
+
+    def _config_file(self, path: str, line: int) -> None:
+        """``smp.init("config.json")``: the file is checked too when it sits where the path points."""
+        base = self.path.parent if self.path is not None else Path.cwd()
+        candidate = base / path
+        if candidate.is_file():
+            self.report.hints.append(f"line {line}: smp.init reads {path!r}; its keys are listed under that file.")
+            self.report.config_files.append(candidate)
+        else:
+            self.report.hints.append(f"line {line}: smp.init reads the config file {path!r}, which is not beside the "
+                                     "script; pass it to `smp-compat check` to have its keys checked.")  # fmt: skip
+
+    # ---- config dicts
+    def _items(self, node: ast.AST, depth: int = 0) -> Iterator[tuple[str | None, ast.AST, int]]:
+        """(key, value node, line) of a dict expression: a literal, dict(...), or a variable built up in the file."""
+        if depth > 8:
+            return
+        if isinstance(node, ast.Dict):
+            self.seen_dicts.add(id(node))
+            for key, value in zip(node.keys, node.values, strict=True):
+                if key is None:  # {**other}
+                    yield from self._items(value, depth + 1)
+                else:
+                    yield _const_str(key), value, key.lineno
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.returns:
+            for value in self.returns[node.func.id]:  # smp.init(script_config()): what the function returns
+                yield from self._items(value, depth + 1)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+            for arg in node.args:
+                yield from self._items(arg, depth + 1)
+            for kw in node.keywords:
+                if kw.arg is None:
+                    yield from self._items(kw.value, depth + 1)
+                else:
+                    yield kw.arg, kw.value, kw.value.lineno
+        elif isinstance(node, ast.Name):
+            for key, value, line in self.dict_vars.get(node.id, []):
+                if key is None:
+                    yield from self._items(value, depth + 1)
+                else:
+                    yield key, value, line
+
+    def _parameters(self, node: ast.AST, line: int, allow_distribution: bool = False) -> None:
+        """Report the keys of an SMP parameters dict (or of a distribution dict, when smp.init gets one)."""
+        items = list(self._items(node))
+        keys = {key for key, _, _ in items}
+        if allow_distribution and keys & {"smdistributed", "modelparallel"}:
+            self._distribution_items(items)
+            return
+        for key, value, key_line in items:
+            if key is not None:
+                literal, known = _literal(value)
+                record_config_key(self.report, key, key_line, literal, known, self._shown(value, literal, known))
+
+    def _shown(self, node: ast.AST, literal: Any, known: bool) -> str:
+        text = repr(literal) if known else (ast.get_source_segment(self.text, node) or "<expression>")
+        text = " ".join(text.split())
+        return text if len(text) <= _MAX_VALUE else text[: _MAX_VALUE - 3] + "..."
+
+    def _distribution_dict(self, node: ast.Dict) -> None:
+        """A dict literal anywhere (an estimator's ``distribution=``) with SMP's sections."""
+        if id(node) in self.seen_dicts:
+            return
+        keys = {_const_str(k) for k in node.keys if k is not None}
+        if "smdistributed" in keys or "modelparallel" in keys or {"enabled", "parameters"} <= keys:
+            self._distribution_items(list(self._items(node)))
+
+    def _distribution_items(self, items: list[tuple[str | None, ast.AST, int]]) -> None:
+        for key, value, line in items:
+            if key == "smdistributed":
+                self._distribution_items(list(self._items(value)))
+            elif key == "modelparallel":
+                self._distribution_items(list(self._items(value)))
+            elif key == "parameters":
+                self._parameters(value, line)
+            elif key == "mpi":
+                for mpi_key, mpi_value, mpi_line in self._items(value):
+                    if mpi_key is not None:
+                        literal, known = _literal(mpi_value)
+                        record_mpi_key(self.report, mpi_key, mpi_line, self._shown(mpi_value, literal, known))
+
+
+def check_source(text: str, path: str = "<string>", file_path: Path | None = None) -> FileReport:
+    """Check the text of one Python script."""
+    report = FileReport(path)
+    try:
+        tree = ast.parse(text, filename=path)
+    except SyntaxError as exc:
+        report.error = f"cannot parse: {exc.msg} (line {exc.lineno})"
+        return report
+    source = _Source(tree, text, report, file_path)
+    source.collect()
+    source.walk()
+    return report

@@ -1,0 +1,423 @@
+"""The one registry of what smp_compat supports of SMP v1: every API name and config key, with status and advice.
+
+``smp-compat check`` and ``docs/api_support.md`` (``python -m smp_compat.cli.support --markdown``) both read
+it, and tests hold it against the package itself (a name marked supported must exist, an unsupported one
+must not), so code, checker and docs cannot disagree. Config-key statuses are not written here at all:
+they are derived from ``smp_compat.config.NOT_ACTED_ON`` and ``UNSUPPORTED``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from smp_compat.config import NOT_ACTED_ON, UNSUPPORTED, SMPConfig
+
+__all__ = [
+    "API",
+    "API_SECTIONS",
+    "CONFIG",
+    "CONFIG_ALIASES",
+    "METHODS",
+    "METHOD_SECTIONS",
+    "Entry",
+    "Status",
+    "config_default",
+    "config_value_status",
+    "lookup_api",
+    "main",
+    "markdown",
+    "suggest_key",
+]
+
+
+class Status(str, Enum):
+    """How far smp_compat implements an SMP name: fully, with a stated limit, or not at all."""
+
+    SUPPORTED = "supported"
+    PARTIAL = "partial"
+    UNSUPPORTED = "unsupported"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One SMP name (``DistributedModel``, ``nn.DistributedLinear``, a config key) and what we do with it.
+
+    ``group`` entries stand for every name below them (``nn.huggingface`` covers all its translate
+    functions), so a checker can classify names it has never seen.
+    """
+
+    name: str
+    kind: str  # "api", "method" or "config"
+    status: Status
+    section: str
+    note: str = ""
+    action: str = ""
+    group: bool = False
+    meaning: str = ""  # config keys: what the key does (SMPConfig's field docstring)
+
+
+_S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
+_Row = tuple  # (name, status, note, action[, group])
+
+_NO_TP = "Tensor parallelism is not implemented (tensor_parallel_degree must be 1)."
+_NO_TP_ACTION = "Remove it: with tp = 1 SMP left the modules unchanged too."
+
+_API_ROWS: list[tuple[str, list[_Row]]] = [
+    ("Initialization and state", [
+        ("init", _S, "Also accepts a path to a JSON file; SM_HP_MP_PARAMETERS overrides the dict key by key.", ""),
+        ("is_initialized", _S, "", ""),
+        ("is_tracing", _S, "Always False at pp = 1: there is no tracing pass there.", ""),
+        ("num_microbatches", _S, "", ""),
+        ("state", _S, "state.cfg (every config key), state.model, state.optimizer.", ""),
+        ("reset", _S, "", ""),
+        ("shutdown", _S, "", ""),
+    ]),
+    ("Steps", [
+        ("step", _S, "non_split_inputs, input_split_axes, detach_outputs and smp_slice as in SMP.", ""),
+        ("StepOutput", _S, "", ""),
+    ]),
+    ("Model and optimizer", [
+        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented).", ""),
+        ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
+         "with fp32 master weights and loss scaling, as SMP.", ""),
+    ]),
+    ("Partitioning", [
+        ("partition", _S, "", ""),
+        ("set_partition", _S, "", ""),
+    ]),
+    ("Tensor parallelism, model creation, activation checkpointing", [
+        ("tensor_parallelism", _U, _NO_TP, "Remove the with-block (or use contextlib.nullcontext())."),
+        ("set_tensor_parallelism", _U, _NO_TP, _NO_TP_ACTION),
+        ("tp_register", _U, _NO_TP, "Remove the decorator."),
+        ("tp_register_with_module", _U, _NO_TP, _NO_TP_ACTION),
+        ("delay_param_initialization", _S, "Modules are created on the meta device; each rank materializes its own "
+         "with their reset_parameters() after partitioning.", ""),
+        ("model_creation", _P, "Sets the default dtype and delayed initialization; tensor_parallelism=True raises "
+         "SMPUnsupportedError when tp > 1.", "Keep tensor_parallelism false (tensor_parallel_degree 1)."),
+        ("set_activation_checkpointing", _S, "A module spanning pipeline ranks is skipped with a warning, as in SMP.",
+         ""),
+        ("checkpoint", _S, "", ""),
+        ("checkpoint_sequential", _S, "SMP has it only as patches.checkpoint.checkpoint_sequential; smp_compat "
+         "also exports it here.", ""),
+        ("patches", _P, "Only patches.checkpoint (activation checkpointing) is provided.",
+         "Import other internals from their public names.", True),
+        ("patches.checkpoint.checkpoint", _S, "Same function as smp.checkpoint.", ""),
+        ("patches.checkpoint.checkpoint_sequential", _S, "Same function as smp.checkpoint_sequential.", ""),
+    ]),
+    ("smp.nn, smp.amp, smp.optimizers", [
+        ("nn", _U, "SMP's tensor-parallel and fused modules are not provided.",
+         "Use the torch.nn module the SMP one stands for.", True),
+        ("nn.DistributedLinear", _U, _NO_TP, "Use torch.nn.Linear(in_features, out_features)."),
+        ("nn.DistributedEmbedding", _U, _NO_TP, "Use torch.nn.Embedding."),
+        ("nn.DistributedLayerNorm", _U, _NO_TP, "Use torch.nn.LayerNorm."),
+        ("nn.DistributedModule", _U, _NO_TP, "Subclass torch.nn.Module."),
+        ("nn.DistributedTransformerLMHead", _U, _NO_TP,
+         "Use your model's own transformer (e.g. the Hugging Face model) without tensor parallelism."),
+        ("nn.DistributedTransformer", _U, _NO_TP, "Use a torch.nn transformer stack."),
+        ("nn.DistributedTransformerLayer", _U, _NO_TP, "Use a torch.nn transformer layer."),
+        ("nn.DistributedAttentionLayer", _U, _NO_TP, "Use torch.nn.MultiheadAttention or your own attention."),
+        ("nn.DistributedTransformerOutputLayer", _U, _NO_TP, "Use torch.nn.Linear layers."),
+        ("nn.FlashAttentionLayer", _U, "Not provided.",
+         "Use torch.nn.functional.scaled_dot_product_attention (flash kernels on GPU)."),
+        ("nn.FusedLayerNorm", _U, "Not provided (SMP's needed apex).", "Use torch.nn.LayerNorm."),
+        ("nn.huggingface", _U, "State-dict translation between SMP's tensor-parallel layout and Hugging Face.",
+         "Drop the translation: without smp.nn modules the state dict already has the Hugging Face layout.", True),
+        ("amp", _S, "", ""),
+        ("amp.GradScaler", _S, "torch's GradScaler; every pipeline stage skips or steps together.", ""),
+        ("optimizers", _U, "SMP's apex-based fused optimizers are not provided.",
+         "Use torch.optim (Adam, AdamW with fused=True on GPU).", True),
+        ("optimizers.FusedAdam", _U, "Not provided (SMP's needed apex).", "Use torch.optim.Adam / AdamW."),
+        ("optimizers.FusedLamb", _U, "Not provided (SMP's needed apex).", "Use torch.optim.AdamW, or a LAMB package."),
+        ("optimizers.FusedLAMB", _U, "Not provided (SMP's needed apex).", "Use torch.optim.AdamW, or a LAMB package."),
+        ("optimizers.FusedNovoGrad", _U, "Not provided (SMP's needed apex).", "Use torch.optim.AdamW."),
+    ]),
+    ("Save and load", [
+        ("save", _S, "Atomic writes.", ""),
+        ("load", _S, "Loads with weights_only=True unless told otherwise.", ""),
+        ("save_checkpoint", _S, "SMP's folder layout; written atomically (docs/checkpoints.md).", ""),
+        ("resume_from_checkpoint", _S, "", ""),
+    ]),
+    ("Ranks, sizes and groups", [
+        *((name, _S, "", "") for name in (
+            "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "tp_rank", "tp_size",
+            "dp_rank", "dp_size", "rdp_rank", "rdp_size", "mp_rank", "mp_size",
+            "get_mp_group", "get_dp_group", "get_pp_group", "get_tp_group", "get_rdp_group",
+        )),
+        *((f"get_{axis}_process_group", _S, "Needs ddp: True (DDPNotEnabledError otherwise), as in SMP.", "")
+          for axis in ("world", "dp", "mp", "pp", "tp", "rdp")),
+    ]),
+    ("Communication", [
+        *((name, _S, "", "") for name in (
+            "CommGroup", "RankType", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP",
+            "broadcast", "send", "recv_from", "allgather", "barrier",
+            "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
+        )),
+        ("gather", _S, "Built on allgather: every member receives the data.", ""),
+    ]),
+    ("Exceptions", [
+        *((name, _S, "", "") for name in (
+            "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
+            "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
+        )),
+    ]),
+]  # fmt: skip
+
+_METHOD_ROWS: list[tuple[str, list[_Row]]] = [
+    ("DistributedModel", [
+        ("forward", _S, "Inside @smp.step when pp > 1, as in SMP.", ""),
+        ("backward", _S, "retain_graph/create_graph unsupported, as in SMP.", ""),
+        ("partitioned", _S, "", ""),
+        *((name, _S, "", "") for name in (
+            "local_parameters", "local_named_parameters", "local_buffers", "local_named_buffers",
+            "local_modules", "local_named_modules", "get_module", "is_local_parameter", "is_local_buffer",
+            "get_param_name", "register_post_partition_hook", "register_post_step_hook",
+        )),
+        ("state_dict", _S, "Collective over the pipeline stages, as in SMP.", ""),
+        ("local_state_dict", _S, "", ""),
+        ("load_state_dict", _S, "Full or partial dicts; applied after partitioning, as in SMP.", ""),
+        *((name, _S, "Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.", "")
+          for name in (
+            "distributed_modules", "is_distributed_parameter", "is_distributed_buffer", "is_scaled_batch_parameter",
+            "is_scaled_batch_buffer", "default_reducer_named_parameters", "scaled_batch_reducer_named_parameters",
+        )),
+        ("cuda", _P, "torch's Module.cuda(): moves the whole model at once (SMP ignored it before partitioning).",
+         "Leave it out: each rank's partition is moved to its device when the model is partitioned."),
+        ("cpu", _U, "Gathering a partitioned model onto the CPU is not implemented (raises SMPUnsupportedError).",
+         "At pp = 1 use model.get_module().cpu()."),
+        ("join", _U, "DDP's uneven-input join is not implemented (raises SMPUnsupportedError).",
+         "Give every data-parallel rank the same number of batches (DistributedSampler, drop_last=True)."),
+        ("register_comm_hook", _U, "DDP communication hooks are not implemented (raises SMPUnsupportedError).",
+         "Remove the call; gradients are averaged over microbatches and data-parallel ranks."),
+    ]),
+    ("DistributedOptimizer", [
+        ("step", _S, "", ""),
+        ("zero_grad", _S, "", ""),
+        ("state_dict", _S, "", ""),
+        ("local_state_dict", _S, "", ""),
+        ("local_optimizer_state_dict", _S, "", ""),
+        ("load_state_dict", _S, "Full or partial dicts.", ""),
+        ("load_local_optimizer_state_dict", _S, "", ""),
+        ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper), as in SMP.",
+         "In fp32 use torch.nn.utils.clip_grad_norm_; with pp > 1 all-reduce the norm over the stages."),
+        ("optimizer", _P, "The wrapped torch optimizer; exists only with fp16 or bf16 on, as in SMP.",
+         "In fp32 the returned optimizer is the torch optimizer itself."),
+    ]),
+    ("StepOutput", [
+        *((name, _S, "", "") for name in ("outputs", "reduce_mean", "reduce_sum", "concat", "stack", "map", "clear")),
+    ]),
+]  # fmt: skip
+
+
+def _build(rows: list[tuple[str, list[_Row]]], kind: str, prefix: bool) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    for section, items in rows:
+        for name, status, note, action, *rest in items:
+            full = f"{section}.{name}" if prefix else name
+            if full in entries:
+                raise ValueError(f"duplicate support entry {full!r}")  # a bug in this table, not user input
+            entries[full] = Entry(full, kind, status, section, note, action, bool(rest and rest[0]))
+    return entries
+
+
+API: dict[str, Entry] = _build(_API_ROWS, "api", prefix=False)
+"""Module-level names of ``smdistributed.modelparallel.torch``, relative to it (``nn.DistributedLinear``)."""
+
+METHODS: dict[str, Entry] = _build(_METHOD_ROWS, "method", prefix=True)
+"""Members of DistributedModel, the optimizer DistributedOptimizer returns, and StepOutput (``Class.member``)."""
+
+API_SECTIONS: tuple[str, ...] = tuple(section for section, _ in _API_ROWS)
+METHOD_SECTIONS: tuple[str, ...] = tuple(section for section, _ in _METHOD_ROWS)
+
+# ---------------------------------------------------------------- config keys (derived from smp_compat.config)
+
+CONFIG_ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
+"""Old key names SMP still accepted."""
+
+_FIELDS = {field.alias or name: (name, field) for name, field in SMPConfig.model_fields.items()}
+
+_CONFIG_ADVICE: dict[str, str] = {
+    "fp16": "Remove it (trains in fp32), or keep fp32 weights and use torch.autocast with smp.amp.GradScaler.",
+    "bf16": "Remove it (trains in fp32), or use torch.autocast(dtype=torch.bfloat16) in the step.",
+    "fp16_params": "Remove it (trains in fp32).",
+    "shard_optimizer_state": "Remove it: every data-parallel rank keeps the full optimizer state.",
+    "offload_activations": "Remove it: activations stay on the device.",
+    "activation_loading_horizon": "Remove it (only used with offload_activations).",
+    "delayed_parameter_initialization": "Remove it: parameters are created when the module is.",
+    "prescaled_batch": "Remove it (only meaningful with tensor parallelism).",
+    "optimize": "Nothing to do: it only tuned SMP's tensor-parallel layers.",
+    "skip_tracing": "Nothing to do: the partitioner still traces at pp > 1.",
+    "horovod": "Remove it and use ddp: True for data parallelism.",
+}
+_DEFAULT_ADVICE = "Nothing to do: the key is accepted and has no effect here."
+
+
+def config_default(key: str) -> Any:
+    """The default smp_compat uses for a config key (SMP's own spelling or the alias)."""
+    _, field = _FIELDS[CONFIG_ALIASES.get(key, key)]
+    return field.default
+
+
+def _config_entry(key: str) -> Entry:
+    _, field = _FIELDS[key]
+    meaning = (field.description or "").strip()
+    section = _config_section(key)
+    if key in UNSUPPORTED:
+        note = (f"Only the default ({field.default!r}) is accepted: {UNSUPPORTED[key]} is not implemented, so any "
+                "other value raises SMPUnsupportedError at smp.init.")  # fmt: skip
+        return Entry(key, "config", _U, section, note, f"Set it to {field.default!r} or remove it.", meaning=meaning)
+    if key in NOT_ACTED_ON:
+        note = "Accepted and checked, but not acted on (smp.init warns when it is not the default)."
+        return Entry(key, "config", _P, section, note, _CONFIG_ADVICE.get(key, _DEFAULT_ADVICE), meaning=meaning)
+    return Entry(key, "config", _S, section, meaning=meaning)
+
+
+def _config_section(key: str) -> str:
+    if key.startswith("sdp_") or key == "sharded_data_parallel_degree":
+        return "Sharded data parallelism"
+    if key.startswith("_") or key in {"checkpoint_attentions", "task_level_activation_loading_horizon", "herring",
+                                      "load_partition", "partition_file"}:  # fmt: skip
+        return "Internal SMP keys"
+    return "Configuration"
+
+
+def _all_config_entries() -> dict[str, Entry]:
+    """Every key in SMPConfig's order, each alias right after the key it names."""
+    entries: dict[str, Entry] = {}
+    for key in _FIELDS:
+        entry = entries[key] = _config_entry(key)
+        for alias in (a for a, target in CONFIG_ALIASES.items() if target == key):
+            entries[alias] = Entry(alias, "config", entry.status, entry.section, entry.note, entry.action,
+                                   meaning=f"Old name of `{key}`.")
+    return entries
+
+
+CONFIG: dict[str, Entry] = _all_config_entries()
+"""Every SMP config key smp_compat knows (and the alias), status derived from smp_compat.config."""
+
+
+def config_value_status(key: str, value: Any, known: bool = True) -> tuple[Status, str]:
+    """Status of ``key`` set to ``value`` (``known=False``: the value is an expression, unknown before run time).
+
+    The default value of a key smp_compat lacks (``tensor_parallel_degree: 1``) is simply supported.
+    Raises KeyError for a key SMP does not have.
+    """
+    entry = CONFIG[key]
+    if entry.status is Status.SUPPORTED:
+        return entry.status, ""
+    default = config_default(key)
+    if known and _same_value(value, default):
+        return Status.SUPPORTED, f"The default ({default!r}): nothing to do."
+    if not known and entry.status is Status.UNSUPPORTED:
+        return Status.PARTIAL, f"Set from an expression: must be {default!r} at run time. {entry.note}"
+    return entry.status, entry.note
+
+
+def _same_value(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default
+
+
+def suggest_key(key: str) -> list[str]:
+    """The closest valid config keys, for an unknown one."""
+    return difflib.get_close_matches(key, sorted(set(CONFIG)), n=3, cutoff=0.6)
+
+
+# ---------------------------------------------------------------- lookups
+
+
+def lookup_api(parts: Sequence[str]) -> tuple[Entry, int] | None:
+    """The registry entry for a dotted name below ``smp`` and how many of its parts it covers.
+
+    The longest registered prefix wins; a group entry also covers names below it that are not listed.
+    ``("CommGroup", "DP_GROUP")`` gives (CommGroup, 1); ``("nn", "Foo")`` gives (nn, 1) since nn is a group.
+    """
+    for length in range(len(parts), 0, -1):
+        entry = API.get(".".join(parts[:length]))
+        if entry is not None:
+            return entry, length
+    return None
+
+
+# ---------------------------------------------------------------- docs
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _status_cell(status: Status) -> str:
+    return {"supported": "supported", "partial": "**partial**", "unsupported": "**unsupported**"}[status.value]
+
+
+def _table(entries: Iterable[Entry], label: str, prefix: str, defaults: dict[str, str] | None = None) -> list[str]:
+    """A markdown table; config tables (``defaults`` given) also show the default and what the key means."""
+    config = defaults is not None
+    head = f"| {label} | Status |" + (" Default | Meaning |" if config else "") + " Notes | What to do |"
+    rows = [head, "|---|---|" + ("---|---|" if config else "") + "---|---|"]
+    for entry in entries:
+        name = f"`{prefix}{entry.name}`" + (" (and below)" if entry.group else "")
+        extra = f" {_cell(defaults[entry.name])} | {_cell(entry.meaning)} |" if config else ""
+        rows.append(f"| {name} | {_status_cell(entry.status)} |{extra} {_cell(entry.note)} | {_cell(entry.action)} |")
+    return rows
+
+
+def _counts(entries: Iterable[Entry]) -> str:
+    values = [entry.status for entry in entries]
+    return ", ".join(f"{values.count(s)} {s.value}" for s in Status)
+
+
+def markdown() -> str:
+    """docs/api_support.md: every API, member and config key with its status, generated from this registry."""
+    lines = [
+        "# SMP v1 API support",
+        "",
+        "<!-- Generated by `python -m smp_compat.cli.support --markdown > docs/api_support.md`; do not edit by hand. -->",
+        "",
+        "What smp_compat implements of `smdistributed.modelparallel.torch` (imported as `smp`). This table is",
+        "generated from `smp_compat/cli/support.py`, the same registry `smp-compat check` reads; tests hold the",
+        "registry against the package, and config-key statuses come from `smp_compat/config.py` itself.",
+        "",
+        "- **supported**: works as in SMP (differences: [differences.md](differences.md)).",
+        "- **partial**: exists, with the limit stated in the notes.",
+        "- **unsupported**: missing; the script needs the change in the last column. Config keys marked",
+        "  unsupported accept only their default value.",
+        "",
+        f"Module-level API: {_counts(API.values())}. Members: {_counts(METHODS.values())}. "
+        f"Config keys: {_counts(CONFIG.values())}.",
+        "",
+        "Run `smp-compat check your_script.py [config.json]` to see which of these a script uses.",
+    ]
+    for section in API_SECTIONS:
+        lines += ["", f"## {section}", ""]
+        lines += _table((e for e in API.values() if e.section == section), "API", "smp.")
+    for section in METHOD_SECTIONS:
+        lines += ["", f"## `{section}` members", ""]
+        lines += _table((e for e in METHODS.values() if e.section == section), "Member", "")
+    for section in ("Configuration", "Sharded data parallelism", "Internal SMP keys"):
+        entries = [e for e in CONFIG.values() if e.section == section]
+        defaults = {e.name: f"`{config_default(e.name)!r}`" for e in entries}
+        lines += ["", f"## Config keys: {section.lower()}", ""]
+        lines += _table(entries, "Key", "", defaults)
+    lines += ["", "Defaults where SMP's docs and code disagree, and every key in detail: [config.md](config.md).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m smp_compat.cli.support --markdown``: print the generated docs page."""
+    parser = argparse.ArgumentParser(prog="python -m smp_compat.cli.support", description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print docs/api_support.md")
+    args = parser.parse_args(argv)
+    if not args.markdown:
+        parser.print_help()
+        return 2
+    sys.stdout.write(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

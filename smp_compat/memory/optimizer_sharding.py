@@ -1,0 +1,71 @@
+"""``shard_optimizer_state``: ZeRO-1 over the data-parallel group.
+
+Every data-parallel rank holds the same (averaged) gradients after a step call; each keeps optimizer
+state for only its share of this pipeline stage's parameters, steps only those, then broadcasts them,
+so parameters stay identical across replicas while optimizer memory per rank drops to about 1/dp.
+Shares are decided after partitioning (which decides what is local), greedily by size, the same way
+on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smp_compat.stepping import grads
+from smp_compat.errors import SMPUnsupportedError
+from smp_compat.globalstate import process_group, state
+
+__all__ = ["OptimizerSharding"]
+
+
+class OptimizerSharding:
+    """Restricts an optimizer to this rank's share and re-broadcasts shares after each step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.shares: list[list[torch.nn.Parameter]] = []
+        self.local: list[torch.nn.Parameter] = []
+        self._step = optimizer.step
+        self._zero_grad = optimizer.zero_grad
+        optimizer.step = self.step  # type: ignore[method-assign]
+        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        optimizer.state_dict = self._no_full_state_dict  # type: ignore[method-assign]
+
+    def apply(self, model: Any) -> None:
+        """Split the local parameters among the dp ranks and drop the others from the param groups."""
+        topo = state.topology
+        self.local = [p for p in model.local_parameters() if p.requires_grad]
+        loads = [0] * topo.dp_size
+        self.shares = [[] for _ in range(topo.dp_size)]
+        for p in sorted(self.local, key=lambda p: -p.numel()):  # stable sort: ties keep parameter order
+            owner = loads.index(min(loads))
+            self.shares[owner].append(p)
+            loads[owner] += p.numel()
+        mine = {id(p) for p in self.shares[topo.coords(state.rank).dp_rank]}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._step(*args, **kwargs)
+        topo = state.topology
+        members = topo.get_dp_group(state.rank)
+        for dp_rank, share in enumerate(self.shares):
+            grads.broadcast_tensors([p.data for p in share], members[dp_rank], process_group("dp"), topo.dp_size)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """All local gradients, not only this rank's share (the others are averaged here too)."""
+        self._zero_grad(set_to_none=set_to_none)
+        for p in self.local:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def _no_full_state_dict(self) -> dict[str, Any]:
+        raise SMPUnsupportedError(
+            "a full optimizer state_dict() with shard_optimizer_state (SMP did not support it either); "
+            "save each rank's local_state_dict() / use smp.save_checkpoint(partial=True)"
+        )

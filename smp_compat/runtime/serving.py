@@ -1,0 +1,134 @@
+"""The owner side of the pipeline engine: serve forward, backward and fetch requests for this rank's modules.
+
+A served request runs as its own task (forwards before backwards, each kind in arrival order). Its
+inputs are kept as *values* per (caller, microbatch), so later calls and the backward can refer to them;
+an error is sent back to the caller with this rank's traceback, never raised here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smp_compat.memory.activation_checkpointing import run_checkpointed
+from smp_compat.runtime.remote import CallId, Context, Hosted, set_context
+from smp_compat.runtime.structure import fill_tensors, flatten_tensors
+from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
+from smp_compat.runtime.transport import Message
+from smp_compat.stepping.step import set_current_microbatch
+
+__all__ = ["ServingSide"]
+
+
+class ServingSide:
+    """The serving half of ``PipelineEngine`` (a mixin): what a rank does when another rank calls its modules.
+
+    The engine provides the state and the caller-side methods used here: ``_send``, ``run_target``,
+    ``_describe`` and ``_drive_backward``.
+    """
+
+    rank: int
+    scheduler: Scheduler
+    _hosted: dict[tuple[int, int], Hosted]
+    _arrivals: Iterator[int]
+
+    if TYPE_CHECKING:
+
+        def _send(self, dst: int, kind: str, meta: dict[str, Any] | None = None,
+                  tensors: list[torch.Tensor] = ()) -> None: ...  # fmt: skip
+
+        def run_target(self, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any: ...
+
+        def _describe(self, target: tuple[Any, ...]) -> str: ...
+
+        def _drive_backward(self, ctx: Context, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None: ...
+
+    def _serve_get(self, message: Message) -> None:
+        hosted = self._hosted.get((message.src, message.meta["mb"]))
+        value = hosted.values.get(message.meta["value"]) if hosted else None
+        if value is None:
+            error = (f"rank {self.rank} no longer holds a result of microbatch {message.meta['mb']}: a result that "
+                     "stayed remote can only be used inside its microbatch (or returned from the step function)")
+            self._send(message.src, "got", {"req": message.meta["req"], "error": error})
+            return
+        self._send(message.src, "got", {"req": message.meta["req"]}, [value.detach()])
+
+    def _spawn(self, message: Message, priority_class: int, serve: Callable[[Task, Message], None]) -> None:
+        """A task for a served request: forwards before backwards (a forward reply is what rank 0 waits
+        on for its loss), each kind in arrival order."""
+        mb = message.meta["mb"]
+        forward = priority_class == SERVE_FORWARD
+        task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (priority_class, next(self._arrivals)), mb)
+        task.phase = "forward" if forward else "backward"
+        task.fn = lambda: serve(task, message)
+        self.scheduler.spawn(task)
+
+    def _serve_forward(self, task: Task, message: Message) -> None:
+        meta = message.meta
+        call_id, mb = meta["call"], meta["mb"]
+        description = f"{self._describe(meta['target'])} (microbatch {mb}, forward, called by rank {message.src})"
+        hosted = self._hosted.setdefault((message.src, mb), Hosted())
+        set_context(Context(task, mb))
+        set_current_microbatch(mb)
+        try:
+            inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
+            args, kwargs = fill_tensors(meta["skeleton"], inputs)
+            with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
+                result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
+            skeleton, outputs = flatten_tensors(result)
+        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
+            self._reply_error(message, "fwd_err", "call", description)
+            return
+        specs = []
+        hosted.descriptions[call_id] = self._describe(meta["target"])
+        for j, o in enumerate(outputs):
+            hosted.values[(call_id, "out", j)] = o
+            specs.append((tuple(o.shape), o.dtype, meta["grad"] and o.requires_grad))
+        reply = {"call": call_id, "skeleton": skeleton, "outputs": specs, "lazy": meta["lazy"]}
+        self._send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
+
+    def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
+        inputs = []
+        for i, spec in enumerate(specs):
+            if spec[0] == "ref":
+                inputs.append(hosted.values[spec[1]])
+                continue
+            t = data[spec[1]]
+            if spec[2]:
+                t.requires_grad_()
+                hosted.leaves.append(((call_id, "in", i), t))
+            hosted.values[(call_id, "in", i)] = t
+            inputs.append(t)
+        return inputs
+
+    def _serve_backward(self, task: Task, message: Message) -> None:
+        meta = message.meta
+        hosted = self._hosted[(message.src, meta["mb"])]
+        set_context(Context(task, meta["mb"]))
+        set_current_microbatch(meta["mb"])
+        try:
+            roots = [hosted.values[v] for v in meta["values"]]
+            self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
+        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
+            modules = ", ".join(sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
+            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)")
+            return
+        leaves, grads = hosted.collect_leaf_grads()
+        self._send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
+
+    def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
+        text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
+        self._send(message.src, kind, {key: message.meta[key], "error": text})
+
+
+@contextlib.contextmanager
+def _autocast(amp: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device_type, (enabled, dtype) in amp.items():
+            if enabled:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield

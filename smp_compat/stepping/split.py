@@ -1,0 +1,428 @@
+"""Splitting the arguments of an ``@smp.step`` call into per-microbatch arguments (SMP_REFERENCE §4.1)."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import functools
+import inspect
+import numbers
+import types
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from smp_compat.errors import SMPConfigError, StepUsageError, TensorSplitError
+from smp_compat.stepping.output import (
+    MAPPING,
+    NAMEDTUPLE,
+    SET,
+    StepOutput,
+    container_kind,
+    rebuild_mapping,
+    rebuild_sequence,
+    rebuild_set,
+)
+
+__all__ = ["split_step_inputs", "validate_split_options"]
+
+# Leaf kinds; container kinds (LIST, TUPLE, NAMEDTUPLE, MAPPING, SET = 0..4) come from step_output.
+_PLAIN, _TENSOR, _SLICEABLE, _STEP_OUTPUT, _SUSPICIOUS, _OTHER = range(10, 16)
+
+# Values that are naturally shared by every microbatch: passed through without a warning.
+_PLAIN_TYPES: tuple[type, ...] = (
+    numbers.Number, str, bytes, type(None), type(Ellipsis), slice, range, type, enum.Enum,
+    torch.device, torch.dtype, torch.layout, torch.memory_format, torch.Generator, torch.Size,
+    torch.nn.Module, argparse.Namespace,
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+)
+
+# Objects SMP warns about: they usually mean the script does per-step work inside the step function.
+_SUSPICIOUS_TYPES: tuple[tuple[type, str], ...] = (
+    (torch.utils.data.DataLoader,
+     "Iterate the DataLoader outside the step function and pass each batch's tensors to it."),
+    (torch.utils.data.Dataset,
+     "Load batches outside the step function and pass each batch's tensors to it."),
+    (torch.utils.data.Sampler,
+     "Load batches outside the step function and pass each batch's tensors to it."),
+    (torch.optim.Optimizer,
+     "Call optimizer.zero_grad() and optimizer.step() outside the step function, once per step."),
+    (torch.optim.lr_scheduler.LRScheduler,
+     "Call scheduler.step() outside the step function, once per step."),
+)
+
+_KIND: dict[type, int] = {}
+_warned: set[tuple[str, type]] = set()
+
+Path = tuple[Any, ...]  # (root name, (code, key), ...): formatted only when a message needs it
+
+
+@dataclass(frozen=True)
+class _Params:
+    """What name each argument binds to, read once per function from its signature."""
+
+    signature: inspect.Signature
+    positional: tuple[str, ...]
+    keyword: frozenset[str]
+    var_positional: str | None
+    var_keyword: str | None
+    names: tuple[str, ...]
+
+
+def validate_split_options(
+    func: Callable[..., Any],
+    non_split_inputs: Sequence[str] | None,
+    input_split_axes: Mapping[str, int] | None,
+) -> None:
+    """Check ``non_split_inputs``/``input_split_axes`` at decoration time, so typos fail before training.
+
+    Names must be parameters of ``func``; a function with ``**kwargs`` also accepts any other name, which
+    then refers to that keyword argument by key.
+    """
+    names = _check_non_split_type(non_split_inputs)
+    axes = _check_axes_type(input_split_axes)
+    if not names and not axes:
+        return
+    params = _params(func)
+    if params is None:
+        raise StepUsageError(
+            f"non_split_inputs/input_split_axes were given for {_func_name(func)}, but its signature cannot "
+            "be read, so the names cannot be matched to arguments. Decorate a plain Python function (def) "
+            "instead, or drop these options."
+        )
+    if params.var_keyword is None:
+        unknown = [name for name in (*names, *axes) if name not in params.names]
+        if unknown:
+            raise StepUsageError(
+                f"non_split_inputs/input_split_axes name {unknown}, which are not parameters of "
+                f"{_func_name(func)}{params.signature}. Its parameters are {list(params.names)}; use those "
+                "names exactly as they are spelled in the function definition."
+            )
+    both = sorted(set(names) & set(axes))
+    if both:
+        warnings.warn(
+            f"{both} appear in both non_split_inputs and input_split_axes of {_func_name(func)}; such "
+            "arguments are not split, so their input_split_axes entries have no effect. Remove them from "
+            "one of the two options.",
+            stacklevel=3,
+        )
+
+
+def split_step_inputs(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    num_microbatches: int,
+    non_split_inputs: Sequence[str] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Return one ``(args, kwargs)`` per microbatch, following SMP_REFERENCE §4.1.
+
+    Tensors in split arguments become contiguous views (``narrow``) along their batch axis; objects with
+    ``smp_slice`` and ``StepOutput``s are resolved per microbatch; everything else, containers without
+    anything to split included, is passed as the same object to every microbatch.
+    """
+    n = _check_num_microbatches(num_microbatches)
+    args = tuple(args)
+    non_split = frozenset(non_split_inputs or ())
+    axes = dict(input_split_axes or {})
+    params = _params(func)
+    arg_parts = [
+        _walk(value, *_positional_target(params, func, i, args, kwargs, non_split, axes), n)
+        for i, value in enumerate(args)
+    ]
+    kw_parts = {
+        key: _walk(value, *_keyword_target(params, func, key, args, kwargs, non_split, axes), n)
+        for key, value in kwargs.items()
+    }
+    if all(p is None for p in arg_parts) and all(p is None for p in kw_parts.values()):
+        return [(args, dict(kwargs)) for _ in range(n)]
+    return [
+        (
+            tuple(v if p is None else p[mb] for v, p in zip(args, arg_parts)),
+            {k: kwargs[k] if p is None else p[mb] for k, p in kw_parts.items()},
+        )
+        for mb in range(n)
+    ]
+
+
+def _check_num_microbatches(num_microbatches: Any) -> int:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise SMPConfigError(
+            f"The number of microbatches must be an integer >= 1, got {num_microbatches!r}. Set the "
+            "'microbatches' config key to a positive integer that divides the per-rank batch size."
+        )
+    return num_microbatches
+
+
+def _check_non_split_type(non_split_inputs: Any) -> tuple[str, ...]:
+    if non_split_inputs is None:
+        return ()
+    if isinstance(non_split_inputs, str):
+        raise StepUsageError(
+            f"non_split_inputs must be a list of parameter names, got the string {non_split_inputs!r}. "
+            f"Write non_split_inputs=[{non_split_inputs!r}]."
+        )
+    if not isinstance(non_split_inputs, (list, tuple)):
+        raise StepUsageError(
+            f"non_split_inputs must be a list of parameter names, got a {type(non_split_inputs).__name__}: "
+            f"{non_split_inputs!r}. Pass a list of str, e.g. non_split_inputs=['mask']."
+        )
+    bad = [name for name in non_split_inputs if not isinstance(name, str)]
+    if bad:
+        raise StepUsageError(
+            f"non_split_inputs must hold parameter names (str), got {bad!r} in {non_split_inputs!r}. "
+            "Name arguments by their parameter name in the step function's definition."
+        )
+    return tuple(non_split_inputs)
+
+
+def _check_axes_type(input_split_axes: Any) -> dict[str, int]:
+    if input_split_axes is None:
+        return {}
+    if not isinstance(input_split_axes, Mapping):
+        raise StepUsageError(
+            f"input_split_axes must be a dict from parameter name to batch axis, got a "
+            f"{type(input_split_axes).__name__}: {input_split_axes!r}. "
+            "Write e.g. input_split_axes={'x': 1}."
+        )
+    bad = {
+        k: v for k, v in input_split_axes.items()
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)
+    }
+    if bad:
+        raise StepUsageError(
+            f"input_split_axes must map parameter names (str) to integer axes, got the entries {bad!r}. "
+            "Write e.g. input_split_axes={'x': 1} to split argument x along its second axis."
+        )
+    return dict(input_split_axes)
+
+
+def _params(func: Callable[..., Any]) -> _Params | None:
+    try:
+        return _cached_params(func)
+    except TypeError:  # an unhashable callable object: read its signature every time
+        return _compute_params(func)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_params(func: Callable[..., Any]) -> _Params | None:
+    return _compute_params(func)
+
+
+def _compute_params(func: Callable[..., Any]) -> _Params | None:
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+    kind = inspect.Parameter
+    ps = list(signature.parameters.values())
+    return _Params(
+        signature=signature,
+        positional=tuple(p.name for p in ps if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)),
+        keyword=frozenset(p.name for p in ps if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)),
+        var_positional=next((p.name for p in ps if p.kind == kind.VAR_POSITIONAL), None),
+        var_keyword=next((p.name for p in ps if p.kind == kind.VAR_KEYWORD), None),
+        names=tuple(p.name for p in ps),
+    )
+
+
+def _positional_target(
+    params: _Params | None, func: Callable[..., Any], i: int, args: tuple[Any, ...],
+    kwargs: dict[str, Any], non_split: frozenset[str], axes: dict[str, int],
+) -> tuple[Path, bool, int]:
+    """(path, split?, axis) for positional argument ``i``."""
+    if params is None:
+        return (f"positional argument {i}",), True, 0
+    if i < len(params.positional):
+        name = params.positional[i]
+        return (name,), name not in non_split, axes.get(name, 0)
+    if params.var_positional is None:
+        _raise_bind_error(params, func, args, kwargs)
+    name = params.var_positional
+    return (name, ("i", i - len(params.positional))), name not in non_split, axes.get(name, 0)
+
+
+def _keyword_target(
+    params: _Params | None, func: Callable[..., Any], key: str, args: tuple[Any, ...],
+    kwargs: dict[str, Any], non_split: frozenset[str], axes: dict[str, int],
+) -> tuple[Path, bool, int]:
+    """(path, split?, axis) for keyword argument ``key``; a key caught by ``**kwargs`` may be named itself."""
+    if params is None or key in params.keyword:
+        return (key,), key not in non_split, axes.get(key, 0)
+    var = params.var_keyword
+    if var is None:
+        _raise_bind_error(params, func, args, kwargs)
+    return (key,), key not in non_split and var not in non_split, axes.get(key, axes.get(var, 0))
+
+
+def _raise_bind_error(
+    params: _Params, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    params.signature.bind(*args, **kwargs)  # raises the TypeError Python itself would give
+    raise TypeError(f"{_func_name(func)}{params.signature} cannot take these arguments")
+
+
+def _walk(value: Any, path: Path, split: bool, axis: int, n: int) -> list[Any] | None:
+    """Per-microbatch values of ``value``, or None when every microbatch gets ``value`` itself."""
+    cls = type(value)
+    kind = _KIND.get(cls)
+    if kind is None:
+        kind = _KIND[cls] = _classify(cls)
+    if kind == _PLAIN:
+        return None
+    if kind == _TENSOR:
+        return _split_tensor(value, path, axis, n) if split and n > 1 else None
+    if kind < _PLAIN:
+        return _walk_container(value, kind, path, split, axis, n)
+    if kind == _SLICEABLE:
+        return [value.smp_slice(n, mb, axis) for mb in range(n)]
+    if kind == _STEP_OUTPUT:
+        return _unpack_step_output(value, path, n)
+    if kind == _SUSPICIOUS:
+        _warn_suspicious(cls, path)
+        return None
+    slicer = getattr(value, "smp_slice", None)  # set on the instance rather than the class
+    if slicer is not None:
+        return [slicer(n, mb, axis) for mb in range(n)]
+    if split and n > 1:
+        _warn_unsplittable(cls, path)
+    return None
+
+
+def _classify(cls: type) -> int:
+    """Leaf or container kind of a type; the order follows SMP's rules 3 to 6."""
+    if hasattr(cls, "smp_slice"):
+        return _SLICEABLE
+    if issubclass(cls, StepOutput):
+        return _STEP_OUTPUT
+    if issubclass(cls, torch.Tensor):
+        return _TENSOR
+    if issubclass(cls, tuple(t for t, _ in _SUSPICIOUS_TYPES)):
+        return _SUSPICIOUS
+    if issubclass(cls, _PLAIN_TYPES):
+        return _PLAIN
+    kind = container_kind(cls)
+    return _OTHER if kind is None else kind
+
+
+def _walk_container(value: Any, kind: int, path: Path, split: bool, axis: int, n: int) -> list[Any] | None:
+    if kind == MAPPING:
+        changed = []
+        for key, child in value.items():
+            parts = _walk(child, (*path, ("k", key)), split, axis, n)
+            if parts is not None:
+                changed.append((key, parts))
+        if not changed:
+            return None
+        return [rebuild_mapping(value, [(key, parts[mb]) for key, parts in changed]) for mb in range(n)]
+    items = list(value)
+    if kind == SET:
+        keys: list[tuple[str, Any]] = [("s", None)] * len(items)
+    elif kind == NAMEDTUPLE:
+        keys = [("a", field) for field in value._fields]
+    else:
+        keys = [("i", i) for i in range(len(items))]
+    all_parts = [_walk(child, (*path, key), split, axis, n) for child, key in zip(items, keys)]
+    if all(parts is None for parts in all_parts):
+        return None
+    per_mb = [
+        [child if parts is None else parts[mb] for child, parts in zip(items, all_parts)] for mb in range(n)
+    ]
+    if kind == SET:
+        return [rebuild_set(value, new) for new in per_mb]
+    return [rebuild_sequence(value, kind, new) for new in per_mb]
+
+
+def _split_tensor(tensor: torch.Tensor, path: Path, axis: int, n: int) -> list[torch.Tensor]:
+    """Contiguous blocks along ``axis`` (views, no copy), as SMP's ``narrow(axis, mb*k, k)``."""
+    ndim = tensor.dim()
+    if ndim == 0:
+        root, where = path[0], _format_path(path)
+        raise TensorSplitError(
+            f"Step argument {where} is a 0-dim (scalar) tensor, so it has no batch axis to split into {n} "
+            f"microbatches. List {root!r} in non_split_inputs, e.g. @smp.step(non_split_inputs=[{root!r}]), "
+            "so that every microbatch receives the whole tensor."
+        )
+    if not -ndim <= axis < ndim:
+        root, where = path[0], _format_path(path)
+        raise TensorSplitError(
+            f"Step argument {where} has shape {tuple(tensor.shape)} ({ndim} dims), so its split axis {axis} "
+            f"is out of range. Set input_split_axes[{root!r}] to its batch axis (from {-ndim} to "
+            f"{ndim - 1}), or list {root!r} in non_split_inputs if it has no batch axis."
+        )
+    size = tensor.shape[axis]
+    if size % n:
+        root, where = path[0], _format_path(path)
+        raise TensorSplitError(
+            f"Cannot split step argument {where} (tensor of shape {tuple(tensor.shape)}) into {n} "
+            f"microbatches: its size along axis {axis} is {size}, which is not divisible by {n}. Fixes: make "
+            f"every batch a multiple of {n} (a batch size divisible by 'microbatches', and "
+            "DataLoader(..., drop_last=True) so that the last batch is not smaller); list "
+            f"{root!r} in non_split_inputs if it has no batch dimension; or set "
+            f"input_split_axes={{{root!r}: <axis>}} if its batch dimension is not axis {axis}."
+        )
+    k = size // n
+    return [tensor.narrow(axis, mb * k, k) for mb in range(n)]
+
+
+def _unpack_step_output(value: StepOutput, path: Path, n: int) -> list[Any]:
+    if len(value.outputs) != n:
+        raise TensorSplitError(
+            f"Step argument {_format_path(path)} is a StepOutput with {len(value.outputs)} microbatch "
+            f"values, but this step runs {n} microbatches. Pass StepOutputs only between step functions "
+            "that run the same number of microbatches, or pass so.concat() (a tensor) instead."
+        )
+    return list(value.outputs)
+
+
+def _warn_suspicious(cls: type, path: Path) -> None:
+    if ("suspicious", cls) in _warned:
+        return
+    _warned.add(("suspicious", cls))
+    advice = next(text for base, text in _SUSPICIOUS_TYPES if issubclass(cls, base))
+    warnings.warn(
+        f"Step argument {_format_path(path)} is a {_type_name(cls)}; it is passed unchanged to every "
+        f"microbatch, and the step function body runs once per microbatch. {advice}",
+        stacklevel=4,
+    )
+
+
+def _warn_unsplittable(cls: type, path: Path) -> None:
+    if ("unsplittable", cls) in _warned:
+        return
+    _warned.add(("unsplittable", cls))
+    root = path[0]
+    warnings.warn(
+        f"Step argument {_format_path(path)} is a {_type_name(cls)}, which cannot be split into "
+        "microbatches, so every microbatch receives the same object. If it holds per-sample data, pass it "
+        "as a torch.Tensor or give its class a smp_slice(num_mb, mb, axis) method; if it is meant to be "
+        f"shared, list {root!r} in non_split_inputs to silence this warning (shown once per type).",
+        stacklevel=4,
+    )
+
+
+def _format_path(path: Path) -> str:
+    text = str(path[0])
+    for code, key in path[1:]:
+        if code == "i":
+            text += f"[{key}]"
+        elif code == "a":
+            text += f".{key}"
+        elif code == "s":
+            text += " (a set element)"
+        else:
+            text += f'["{key}"]' if isinstance(key, str) else f"[{key!r}]"
+    return f"`{text}`"
+
+
+def _type_name(cls: type) -> str:
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _func_name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__qualname__", None) or repr(func)
