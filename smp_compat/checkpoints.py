@@ -66,8 +66,10 @@ def optimizer_file(pp_rank: int, tp_rank: int, rdp_rank: int | None = None) -> s
     return f"optimizer_states_{pp_rank}_{tp_rank}{suffix}.pt"
 
 
-def fp16_file(pp_rank: int, tp_rank: int) -> str:
-    return f"fp16_states_{pp_rank}_{tp_rank}.pt"
+def fp16_file(pp_rank: int, tp_rank: int, rdp_rank: int | None = None) -> str:
+    """``fp16_states_<pp>_<tp>.pt``; with optimizer-state sharding each rdp rank's masters are its own share."""
+    suffix = f"_{rdp_rank}" if rdp_rank is not None else ""
+    return f"fp16_states_{pp_rank}_{tp_rank}{suffix}.pt"
 
 
 def _check_tag(tag: Any) -> str:
@@ -222,8 +224,8 @@ def _write_rank_files(staging: Path, tag: str, model: Any, optimizer: Any, user_
             rdp = coords.rdp_rank if sharded else None
             atomic_save(optimizer.local_state_dict(), staging / optimizer_file(pp, tp, rdp))
         fp16_states = getattr(optimizer, "local_fp16_state_dict", None)
-        if callable(fp16_states) and _writes_model_parts():
-            atomic_save(fp16_states(), staging / fp16_file(pp, tp))
+        if callable(fp16_states) and (sharded or _writes_model_parts()):
+            atomic_save(fp16_states(), staging / fp16_file(pp, tp, rdp))
     if state.rank == 0:
         atomic_save(user_content, staging / USER_CONTENT_FILE)
         atomic_save(_config_record(tag, model), staging / CONFIG_FILE)
@@ -447,8 +449,11 @@ def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bo
             if (folder / candidate).is_file():
                 optimizer_sd = _load(folder / candidate, weights_only)
                 break
-    fp16_path = folder / fp16_file(pp, tp)
-    fp16_sd = _load(fp16_path, weights_only) if load_optimizer and fp16_path.is_file() else None
+    fp16_sd = None
+    for candidate in (fp16_file(pp, tp), fp16_file(pp, tp, coords.rdp_rank)):
+        if load_optimizer and (folder / candidate).is_file():
+            fp16_sd = _load(folder / candidate, weights_only)
+            break
     content = folder / USER_CONTENT_FILE
     user_content = _load(content, weights_only) if content.is_file() else None
     _apply(model_sd, {"strict": strict}, optimizer_sd, fp16_sd)

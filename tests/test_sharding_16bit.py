@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from models import lm_train_step, make_model, place_blocks_by_stage, train_smp
+from models import lm_train_step, make_batches, make_model, place_blocks_by_stage, train_smp
 from smp_compat.testing import run_ranks
 
 GLOBAL_BATCH = 8
@@ -130,3 +130,39 @@ def test_skipped_steps_warning_default_and_off_switch() -> None:
     assert 20 < DEFAULT_WARN_AFTER <= 100  # later than the ~17 skips a healthy fp16 run starts with
     result = run_ranks(_always_overflowing, 1, "0", timeout=60)[0]
     assert result["warnings"] == [] and len(result["logs"]) == 1
+
+
+def _resumable(path: str, steps: range, save_after: int | None, resume: bool) -> dict:
+    import smp_compat as smp
+
+    smp.init({"microbatches": 2, "ddp": True, "shard_optimizer_state": True, "fp16": True})
+    with smp.model_creation(dtype=torch.float16):
+        net = make_model()
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
+                                   dynamic_loss_args={"init_scale": 2.0**8})  # fmt: skip
+    if resume:
+        smp.resume_from_checkpoint(path)
+    train_step, data, lo = lm_train_step(smp), make_batches(4, GLOBAL_BATCH), smp.dp_rank() * GLOBAL_BATCH // 2
+    for i in steps:
+        opt.zero_grad()
+        x, y = data[i]
+        train_step(model, x[lo : lo + GLOBAL_BATCH // 2], y[lo : lo + GLOBAL_BATCH // 2])
+        opt.step()
+        if save_after == i:
+            smp.save_checkpoint(path, tag=f"step{i}", model=model, optimizer=opt)
+    return {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+            "masters": opt.local_fp16_state_dict()["fp32_master_params"]}  # fmt: skip
+
+
+def test_sharded_fp16_resume_is_bitwise(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each data-parallel rank's fp32 masters are its own share, so each rank saves them (not rdp rank 0 only)."""
+    straight = run_ranks(_resumable, 2, str(tmp_path / "a"), range(4), None, False, timeout=120)
+    run_ranks(_resumable, 2, str(tmp_path / "b"), range(2), 1, False, timeout=120)
+    resumed = run_ranks(_resumable, 2, str(tmp_path / "b"), range(2, 4), None, True, timeout=120)
+    assert (tmp_path / "b" / "step1_partial" / "fp16_states_0_0_1.pt").is_file()
+    for a, b in zip(straight, resumed):
+        assert a["masters"].keys() == b["masters"].keys() and a["masters"]
+        for key in ("params", "masters"):
+            for name in a[key]:
+                assert torch.equal(a[key][name], b[key][name]), (key, name)
