@@ -64,8 +64,8 @@ class SkipWatch:
 def _first_skip(loss_scale: float, dynamic: bool) -> str:
     if dynamic:
         return (
-            f"gradient overflow: optimizer step skipped, loss scale lowered to {loss_scale:g}; expected for the "
-            "first ~20 steps when the dynamic scaler starts at 2^32 (SMP's default)"
+            f"gradient overflow: optimizer step skipped, loss scale lowered to {loss_scale:g}; expected while "
+            "the dynamic scale comes down (from SMP's default 2^32 that takes ~17-20 steps)"
         )
     return f"gradient overflow (inf/nan gradients): optimizer step skipped (loss scale {loss_scale:g})"
 
