@@ -38,11 +38,14 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
             "static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored.", stacklevel=2
         )
     _patch(optimizer)
-    if state.cfg.shard_optimizer_state:
-        model.after_partition(OptimizerSharding(optimizer).apply)
+    sharding = OptimizerSharding(optimizer) if state.cfg.shard_optimizer_state else None
+    if sharding is not None:
+        model.after_partition(sharding.apply)  # before the fp16 masters: masters only for this rank's share
     if state.cfg.fp16 or state.cfg.bf16:
         scaler = LossScaler.create(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) if state.cfg.fp16 else LossScaler()
-        optimizer = FP16Optimizer(optimizer, model, scaler)  # type: ignore[assignment]
+        optimizer = FP16Optimizer(optimizer, model, scaler, sharded=sharding is not None)  # type: ignore[assignment]
+    if sharding is not None:
+        sharding.hook(optimizer)  # outermost: broadcast after the masters are copied into the 16-bit weights
     state.optimizer = optimizer
     return optimizer
 

@@ -5,6 +5,11 @@ state for only its share of this pipeline stage's parameters, steps only those, 
 so parameters stay identical across replicas while optimizer memory per rank drops to about 1/dp.
 Shares are decided after partitioning (which decides what is local), greedily by size, the same way
 on every rank.
+
+With fp16/bf16 the sharding restricts the *wrapped* torch optimizer (so fp32 masters exist only for this
+rank's share) but hooks ``step``/``zero_grad`` of the *outer* ``FP16Optimizer``: the shares may only be
+broadcast after the wrapper has copied the updated masters into the 16-bit parameters, and every local
+16-bit gradient (owned or not) must be cleared, or stale gradients enter the next data-parallel average.
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ class OptimizerSharding:
         self.optimizer = optimizer
         self.shares: list[list[torch.nn.Parameter]] = []
         self.local: list[torch.nn.Parameter] = []
-        self._step = optimizer.step
-        self._zero_grad = optimizer.zero_grad
-        optimizer.step = self.step  # type: ignore[method-assign]
-        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        self._outer: Any = None
         optimizer.state_dict = self._no_full_state_dict  # type: ignore[method-assign]
+
+    def hook(self, outer: Any) -> None:
+        """Wrap ``outer.step``/``outer.zero_grad``: ``outer`` is what the script steps (torch or FP16Optimizer)."""
+        self._outer = outer
+        self._step = outer.step
+        self._zero_grad = outer.zero_grad
+        outer.step = self.step
+        outer.zero_grad = self.zero_grad
 
     def apply(self, model: Any) -> None:
         """Split the local parameters among the dp ranks and drop the others from the param groups."""
@@ -48,7 +58,10 @@ class OptimizerSharding:
             group["params"] = [p for p in group["params"] if id(p) in mine]
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Step this rank's share (through the fp16 wrapper, if any), then every owner broadcasts its share."""
         result = self._step(*args, **kwargs)
+        if getattr(self._outer, "overflow", False):  # a skipped step (agreed by every rank): nothing changed
+            return result
         topo = state.topology
         members = topo.get_dp_group(state.rank)
         for dp_rank, share in enumerate(self.shares):

@@ -4,7 +4,9 @@
 (``optimizer.optimizer``, for LR schedulers) steps fp32 copies of this rank's parameters; ``step()`` copies
 the 16-bit gradients in, unscales them, and skips the step on every pipeline stage if any stage
 overflowed. fp16 scales the loss in ``model.backward`` (static or dynamic, SMP's dynamic-scaler rules);
-bf16 does not scale.
+bf16 does not scale. With ``shard_optimizer_state`` each data-parallel rank has masters for its share only,
+so the overflow flag and ``clip_master_grads``' norm are reduced over the whole world (pipeline stages x
+data-parallel shares), not only over the pipeline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from smp_compat.globalstate import process_group, state
+from smp_compat.precision.skipped_steps import SkipWatch
 
 __all__ = ["LossScaler", "FP16Optimizer"]
 
@@ -64,11 +67,13 @@ class LossScaler:
 class FP16Optimizer:
     """SMP's FP16_Optimizer: fp32 master weights of the local 16-bit parameters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Any, scaler: LossScaler) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Any, scaler: LossScaler, sharded: bool = False) -> None:
         self.optimizer = optimizer
         self.model = model
         self.loss_scaler = scaler
         self.overflow = False
+        self._sharded = sharded
+        self._skips = SkipWatch()
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self._grads_ready = False
         model.after_partition(self._make_masters)
@@ -151,19 +156,19 @@ class FP16Optimizer:
                 continue
             master.grad = p.grad.detach().float().mul_(inv_scale)
             found += (~torch.isfinite(master.grad)).any().float()
-        group = _model_parallel_group()
+        group = _agreement_group(self._sharded)
         if group is not None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         self.overflow = bool(found.item())
         self._grads_ready = True
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the master gradients by their global norm over all pipeline stages; -1 on overflow."""
+        """Clip the master gradients by their global norm (all stages, all shards); -1 on overflow."""
         self._prepare_master_grads()
         if self.overflow:
             return -1.0
         grads = [m.grad for _, m in self._pairs if m.grad is not None]
-        total = _global_norm(grads, norm_type)
+        total = _global_norm(grads, norm_type, _agreement_group(self._sharded))
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
             for g in grads:
@@ -173,6 +178,7 @@ class FP16Optimizer:
     def step(self, closure: Any = None) -> Any:
         self._prepare_master_grads()
         self.loss_scaler.update(self.overflow)
+        self._skips.record(self.overflow, self.loss_scaler.scale, self.loss_scaler.dynamic)
         self._grads_ready = False
         if self.overflow:
             return None
@@ -183,20 +189,24 @@ class FP16Optimizer:
         return result
 
 
-def _global_norm(grads: list[torch.Tensor], norm_type: float) -> float:
+def _global_norm(grads: list[torch.Tensor], norm_type: float, group: Any) -> float:
     if math.isinf(norm_type):
         local = max((g.abs().max() for g in grads), default=torch.zeros(())).float().to(state.device)
         op = dist.ReduceOp.MAX
     else:
         local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=state.device)).float()
         op = dist.ReduceOp.SUM
-    group = _model_parallel_group()
     if group is not None:
         dist.all_reduce(local, op=op, group=group)
     return float(local.item() if math.isinf(norm_type) else local.item() ** (1.0 / norm_type))
 
 
-def _model_parallel_group() -> Any:
-    if not state.initialized or state.topology.mp_size == 1:
+def _agreement_group(sharded: bool) -> Any:
+    """Who must agree on overflow and norm: the pipeline, or everyone when data-parallel ranks hold shares."""
+    if not state.initialized:
+        return None
+    if sharded and state.topology.dp_size > 1:
+        return process_group("world")
+    if state.topology.mp_size == 1:
         return None
     return process_group("mp")

@@ -4,6 +4,8 @@ Each pipeline stage sees only its own gradients, so one stage may overflow while
 scaler all-reduced the found-inf flag over the model-parallel group so every stage skips or steps
 together, and did not crash on a stage without local parameters; so does this one. A stage that never
 ran ``scaler.scale(loss)`` (only pp_rank 0 runs the step body) starts from the same initial scale.
+With ``shard_optimizer_state`` each data-parallel rank's optimizer holds only its share, so the flag is
+agreed over the whole world: otherwise the rank whose share overflowed would skip while the others step.
 """
 
 from __future__ import annotations
@@ -56,14 +58,19 @@ class GradScaler(torch.amp.GradScaler):
         found = torch.zeros((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
         for flag in optimizer_state["found_inf_per_device"].values():
             found += flag.to(found.device)
-        group = _model_parallel_group()
+        group = _agreement_group()
         if group is not None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         optimizer_state["found_inf_per_device"] = {found.device: found}
 
 
-def _model_parallel_group() -> Any:
-    if not state.initialized or state.topology.mp_size == 1:
+def _agreement_group() -> Any:
+    """The pipeline; everyone when data-parallel ranks hold optimizer shares."""
+    if not state.initialized:
+        return None
+    if state.cfg.shard_optimizer_state and state.topology.dp_size > 1:
+        return process_group("world")
+    if state.topology.mp_size == 1:
         return None
     return process_group("mp")
 
