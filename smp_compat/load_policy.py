@@ -22,7 +22,9 @@ from typing import Any
 
 from torch.serialization import get_safe_globals, safe_globals
 
-__all__ = ["TRUST_ENV", "TRUST_FLAG", "harmless_globals", "is_trusted", "allow_harmless", "refusal_message", "trust_value"]
+__all__ = [
+    "TRUST_ENV", "TRUST_FLAG", "harmless_globals", "is_trusted", "allow_harmless", "refusal_message", "trust_value",
+]  # fmt: skip
 
 TRUST_ENV = "SMP_COMPAT_TRUST_CHECKPOINTS"
 TRUST_FLAG = "--trust-checkpoint"

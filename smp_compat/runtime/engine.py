@@ -45,6 +45,7 @@ from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.tasks import CONTINUE, SERVE_BACKWARD, SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.globalstate import state
+from smp_compat.root_cause import RootCause, root_of
 from smp_compat.stepping import StepCall, in_step, is_tracing, set_current_microbatch
 
 __all__ = ["PipelineEngine"]
@@ -165,7 +166,7 @@ class PipelineEngine:
         self._send(owner, "fwd", meta, data)
         reply = self._await(ctx, call_id, f"forward of {record.description}")
         if reply.kind == "fwd_err":
-            raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}")
+            raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}", reply.meta.get("root"))
         calls.records[call_id] = record
         outputs = self._decode_outputs(calls, record, reply, grad)
         return fill_tensors(reply.meta["skeleton"], outputs)
@@ -294,7 +295,8 @@ class PipelineEngine:
                 driver.outstanding.discard(request)
                 reply = driver.replies.pop(request)
                 if reply.kind == "bwd_err":
-                    raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}")
+                    raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}",
+                                      reply.meta.get("root"))  # fmt: skip
                 for (call_id, _, i), g in zip(reply.meta["leaves"], reply.tensors):
                     t = self._record(call_id).grad_inputs[i]
                     if t is not None:
@@ -409,8 +411,9 @@ class PipelineEngine:
             with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
                 result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
             skeleton, outputs = flatten_tensors(result)
-        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            self._reply_error(message, "fwd_err", "call", description)
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
+            root = root_of(exc, self.rank, self._describe(meta["target"]), f"microbatch {mb}, forward")
+            self._reply_error(message, "fwd_err", "call", description, root)
             return
         specs = []
         hosted.descriptions[call_id] = self._describe(meta["target"])
@@ -442,16 +445,17 @@ class PipelineEngine:
         try:
             roots = [hosted.values[v] for v in meta["values"]]
             self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
-        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
             modules = ", ".join(sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
-            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)")
+            root = root_of(exc, self.rank, modules, f"microbatch {meta['mb']}, backward")
+            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)", root)
             return
         leaves, grads = hosted.collect_leaf_grads()
         self._send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
 
-    def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
+    def _reply_error(self, message: Message, kind: str, key: str, description: str, root: RootCause) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
-        self._send(message.src, kind, {key: message.meta[key], "error": text})
+        self._send(message.src, kind, {key: message.meta[key], "error": text, "root": root})
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
