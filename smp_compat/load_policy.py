@@ -29,6 +29,7 @@ __all__ = [
 TRUST_ENV = "SMP_COMPAT_TRUST_CHECKPOINTS"
 TRUST_FLAG = "--trust-checkpoint"
 _TRUST_ALL = frozenset({"1", "true", "yes", "all"})
+_TRUST_NONE = frozenset({"0", "false", "no", "off"})
 
 SafeGlobal = Callable[..., Any] | tuple[Callable[..., Any], str]
 
@@ -50,11 +51,10 @@ def _numpy_globals() -> tuple[SafeGlobal, ...]:
         import numpy as np
     except ImportError:
         return ()
-    multiarray = getattr(np, "_core", None) or np.core
-    multiarray = multiarray.multiarray
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
     found: list[SafeGlobal] = [np.dtype, np.ndarray]
     for name in ("scalar", "_reconstruct"):
-        function = getattr(multiarray, name)
+        function = getattr(core.multiarray, name)
         found += [(function, f"numpy._core.multiarray.{name}"), (function, f"numpy.core.multiarray.{name}")]
     dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25: every dtype instance has its own class
     if dtypes is not None:
@@ -73,9 +73,9 @@ def allow_harmless() -> Iterator[None]:
 
 
 def is_trusted(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``SMP_COMPAT_TRUST_CHECKPOINTS`` trusts ``path``: ``1`` trusts all, else the folders it lists."""
+    """Whether ``SMP_COMPAT_TRUST_CHECKPOINTS`` trusts ``path``: ``1`` all, ``0`` none, else the folders listed."""
     value = (os.environ if environ is None else environ).get(TRUST_ENV, "").strip()
-    if not value:
+    if not value or value.lower() in _TRUST_NONE:
         return False
     if value.lower() in _TRUST_ALL:
         return True
@@ -90,7 +90,8 @@ def trust_value(folders: list[str], current: str | None) -> str:
     """``SMP_COMPAT_TRUST_CHECKPOINTS`` with ``folders`` (made absolute) added to what it already says."""
     if current and current.strip().lower() in _TRUST_ALL:
         return current
-    entries = [e for e in (current or "").split(os.pathsep) if e.strip()]
+    kept = "" if not current or current.strip().lower() in _TRUST_NONE else current
+    entries = [e for e in kept.split(os.pathsep) if e.strip()]
     return os.pathsep.join([*entries, *(str(Path(f).expanduser().resolve()) for f in folders)])
 
 

@@ -137,6 +137,7 @@ def test_another_trusted_folder_does_not_trust_this_one(tmp_path: Path, monkeypa
     with pytest.raises(CheckpointError, match=TRUST_ENV):
         smp.resume_from_checkpoint(root)
     assert not is_trusted(root / "x", {TRUST_ENV: str(tmp_path / "ck")})  # a prefix of a name is not a parent
+    assert not is_trusted(root / "x", {TRUST_ENV: "0"}) and is_trusted(root / "x", {TRUST_ENV: "true"})
 
 
 def test_the_run_flag_exports_the_variable_and_is_not_passed_to_torchrun(
