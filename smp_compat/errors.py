@@ -7,6 +7,8 @@ and what to do.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "SMPError",
     "SMPConfigError",
@@ -75,7 +77,14 @@ class CheckpointError(SMPError, RuntimeError):
 
 
 class RemoteError(SMPError, RuntimeError):
-    """Another rank of the job failed; the message carries its rank and original error."""
+    """Another rank of the job failed; the message carries its rank and original error.
+
+    ``root`` (a ``smp_compat.root_cause.RootCause``) names the original exception, rank and module.
+    """
+
+    def __init__(self, message: str, root: Any = None) -> None:
+        super().__init__(message)
+        self.root = root
 
 
 class SMPTimeoutError(SMPError, TimeoutError):

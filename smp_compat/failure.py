@@ -3,6 +3,10 @@
 A failing rank writes its error into the process group's key-value store; every rank runs a small
 watch thread that polls the store and, when another rank has failed, prints one line naming that
 rank and its error and ends the process. Collective timeouts alone would take many minutes.
+
+The line leads with the root exception (for a ``RemoteError``: the original exception, its rank and
+module), and every rank that ends this way writes torch elastic's error file, so that torchrun's
+closing summary names the cause too (``root_cause``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
+from smp_compat import root_cause
 from smp_compat._compat import default_store
 
 __all__ = [
@@ -79,13 +84,16 @@ def publish(message: str) -> None:
 
 
 def publish_exception(exc: BaseException) -> None:
-    """Publish an exception's one-line summary (type and message)."""
-    publish("".join(traceback.format_exception_only(type(exc), exc)).strip())
+    """Publish an exception's one-line summary (the root exception's type and message, rank and module)."""
+    publish(root_cause.summary(exc))
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     """An uncaught error: tell the others, print it, and exit now, so launchers report this rank first."""
     publish_exception(exc)
+    root = root_cause.root_of(exc, _watch.rank)
+    details = "".join(traceback.format_exception(kind, exc, tb)).rstrip()
+    root_cause.write_error_file(root.line(), f"{details}\n\nsmp_compat: rank {_watch.rank} failed: {root.line()}")
     (_watch.previous_hook or sys.__excepthook__)(kind, exc, tb)
     sys.stderr.flush()
     sys.stdout.flush()
@@ -103,6 +111,7 @@ def _poll() -> None:
             return
         if not message or message.startswith(f"rank {_watch.rank}:"):
             continue
+        _record_stop(message)  # first: a launcher that ends this rank during the grace still shows why
         time.sleep(_GRACE_SECONDS)  # let the failed rank exit first: launchers report the first exit as the cause
         stop_because(message)
 
@@ -125,9 +134,15 @@ def peer_failure(wait: float) -> str | None:
     return None
 
 
+def _record_stop(message: str) -> str:
+    """torch elastic's error file for a rank stopped because of ``message``; returns the stopping line."""
+    line = f"smp_compat: stopping rank {_watch.rank} because {message.splitlines()[0]}"
+    root_cause.write_error_file(line, line)
+    return line
+
+
 def stop_because(message: str) -> None:
-    """End this rank with one line naming the rank that failed (exit code 17)."""
-    first_line = message.splitlines()[0]
-    sys.stderr.write(f"smp_compat: stopping rank {_watch.rank} because {first_line}\n")
+    """End this rank with one line naming the rank that failed and the root exception (exit code 17)."""
+    sys.stderr.write(_record_stop(message) + "\n")
     sys.stderr.flush()
     os._exit(_EXIT_CODE)

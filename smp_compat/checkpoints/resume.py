@@ -87,7 +87,9 @@ def resume_from_checkpoint(
 
     Works before or after wrapping: loads whose model or optimizer does not exist yet are queued and
     applied when it is created, and like every load they wait for partitioning. Files load with
-    ``weights_only=True`` unless ``weights_only=False`` is passed for trusted files.
+    ``weights_only=True`` (plus harmless types such as argparse.Namespace and numpy scalars) unless the
+    folder is trusted (``SMP_COMPAT_TRUST_CHECKPOINTS``, ``smp-compat run --trust-checkpoint``) or
+    ``weights_only=False`` is passed.
     """
     state.require_init("smp.resume_from_checkpoint")
     if load_optimizer_states is not None:  # SMP 1.10's name
@@ -97,34 +99,36 @@ def resume_from_checkpoint(
     return _resume_full(path, tag, strict, translate_function, weights_only)
 
 
-def _load(file: Path, weights_only: bool) -> Any:
-    return safe_load(file, map_location="cpu", weights_only=weights_only)
+def _load(file: Path, weights_only: bool, root: Any) -> Any:
+    """A checkpoint file; a refusal names ``root`` (the path given to resume) as the folder to trust."""
+    return safe_load(file, map_location="cpu", weights_only=weights_only, trust_folder=root)
 
 
 def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool) -> Any:
     folder = checkpoint_folder(path, tag)
     config = folder / CONFIG_FILE
     if config.is_file():
-        check_saved_config(_load(config, weights_only), str(folder))
+        check_saved_config(_load(config, weights_only, path), str(folder))
     coords = state.topology.coords(state.rank)
     pp, tp = coords.pp_rank, coords.tp_rank
-    model_sd = _load(folder / model_file(pp, tp), weights_only) if _check_parts(folder) else None
+    model_sd = _load(folder / model_file(pp, tp), weights_only, path) if _check_parts(folder) else None
     optimizer_sd = fp16_sd = None
     if load_optimizer:  # with optimizer-state sharding, each rdp rank has files of its own
         rdp = coords.rdp_rank
-        optimizer_sd = _load_first(folder, (optimizer_file(pp, tp), optimizer_file(pp, tp, rdp)), weights_only)
-        fp16_sd = _load_first(folder, (fp16_file(pp, tp), fp16_file(pp, tp, rdp)), weights_only)
+        optimizer_names = (optimizer_file(pp, tp), optimizer_file(pp, tp, rdp))
+        optimizer_sd = _load_first(folder, optimizer_names, weights_only, path)
+        fp16_sd = _load_first(folder, (fp16_file(pp, tp), fp16_file(pp, tp, rdp)), weights_only, path)
     content = folder / USER_CONTENT_FILE
-    user_content = _load(content, weights_only) if content.is_file() else None
+    user_content = _load(content, weights_only, path) if content.is_file() else None
     _apply(model_sd, {"strict": strict}, optimizer_sd, fp16_sd)
     return user_content
 
 
-def _load_first(folder: Path, names: tuple[str, ...], weights_only: bool) -> Any:
+def _load_first(folder: Path, names: tuple[str, ...], weights_only: bool, root: Any) -> Any:
     """The first of ``names`` that exists in ``folder``, loaded; None when none does."""
     for name in names:
         if (folder / name).is_file():
-            return _load(folder / name, weights_only)
+            return _load(folder / name, weights_only, root)
     return None
 
 
@@ -143,9 +147,9 @@ def _resume_full(
             f"Full checkpoint file {str(target)!r} does not exist. Pass the path and tag given to "
             "smp.save_checkpoint(partial=False)."
         )
-    model_sd = _load(target, weights_only)
+    model_sd = _load(target, weights_only, path)
     content = root / f"user_content_{tag}"
-    user_content = _load(content, weights_only) if content.is_file() else None
+    user_content = _load(content, weights_only, path) if content.is_file() else None
     _apply(model_sd, {"strict": strict, "translate_function": translate}, None, None)
     return user_content
 

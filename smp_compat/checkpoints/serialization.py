@@ -1,7 +1,8 @@
 """``smp.save`` / ``smp.load``: SMP's partial (one file per rank) and full files, written atomically.
 
-Loading is safe by default (``torch.load(weights_only=True)``); arbitrary pickled objects load only
-when the caller passes ``weights_only=False`` for files it trusts.
+Loading is safe by default (``torch.load(weights_only=True)`` plus the harmless types of ``load_policy``);
+arbitrary pickled objects load only from files the user trusts (``SMP_COMPAT_TRUST_CHECKPOINTS``, set by
+``smp-compat run --trust-checkpoint``) or when the caller passes ``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import state
+from smp_compat.checkpoints.load_policy import allow_harmless, is_trusted, refusal_message
 
 __all__ = ["save", "load", "atomic_write", "atomic_save", "fsync_dir", "safe_load", "partial_path"]
 
@@ -67,17 +69,28 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def safe_load(path: str | os.PathLike[str], map_location: Any = None, weights_only: bool = True, **kw: Any) -> Any:
-    """``torch.load`` that explains how to opt in when a file holds more than tensors and containers."""
+def safe_load(
+    path: str | os.PathLike[str],
+    map_location: Any = None,
+    weights_only: bool = True,
+    trust_folder: str | os.PathLike[str] | None = None,
+    **kw: Any,
+) -> Any:
+    """``torch.load``, safe unless the caller or the user (``load_policy.TRUST_ENV``) trusts the file.
+
+    Safe loads also accept the harmless types of ``load_policy``; a refusal explains how to trust the
+    file, naming ``trust_folder`` (default: the file's folder).
+    """
+    if weights_only and is_trusted(path):
+        weights_only = False
+    if not weights_only:
+        return torch.load(path, map_location=map_location, weights_only=False, **kw)
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, **kw)
+        with allow_harmless():
+            return torch.load(path, map_location=map_location, weights_only=True, **kw)
     except pickle.UnpicklingError as exc:
-        if not weights_only:
-            raise
-        raise CheckpointError(
-            f"{path} holds Python objects that safe loading refuses ({exc}). If you trust this file, "
-            "load it with weights_only=False."
-        ) from exc
+        folder = trust_folder if trust_folder is not None else Path(path).parent
+        raise CheckpointError(refusal_message(path, exc, folder)) from exc
 
 
 def save(

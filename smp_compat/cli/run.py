@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
-from smp_compat.errors import SMPConfigError
+from smp_compat.errors import SMPConfigError, SMPError
+from smp_compat.checkpoints.load_policy import TRUST_ENV, TRUST_FLAG, trust_value
 from smp_compat.shim import pythonpath_with_shim
 from smp_compat.topology import Topology
 
@@ -37,7 +38,7 @@ FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
 """SageMaker's framework parameters; Hugging Face's Trainer needs ``sagemaker_mpi_enabled`` there for its SMP path."""
 
 _OWN_FLAGS = ("--dry-run",)
-_OWN_VALUED = ("--config",)
+_OWN_VALUED = ("--config", TRUST_FLAG)
 _NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node")
 _TABLE_COLUMNS = ("rank", "pp_rank", "tp_rank", "rdp_rank", "dp_rank", "mp_rank")
 _GROUP_AXES = ("pp", "tp", "rdp", "dp", "mp")
@@ -191,6 +192,14 @@ def _run_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the rank layout, groups, environment and command, check the config, start nothing",
     )
+    own.add_argument(
+        TRUST_FLAG,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="load checkpoints under DIR in full (any pickled object, e.g. a transformers config in user_content); "
+        f"repeatable. Exported as {TRUST_ENV}. Only for checkpoints you trust.",
+    )
     return parser
 
 
@@ -294,9 +303,12 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         nproc = str(launch.processes_per_host)
         options = ["--nproc-per-node", nproc, *options]
     command = [sys.executable, "-m", "torch.distributed.run", *options, *script]
+    env_updates = launch_environment(launch, cfg, env)
+    if ns.trust_checkpoint:
+        env_updates[TRUST_ENV] = trust_value(ns.trust_checkpoint, env.get(TRUST_ENV))
     return LaunchPlan(
         command=command,
-        env_updates=launch_environment(launch, cfg, env),
+        env_updates=env_updates,
         launch=launch,
         config=cfg,
         nnodes=_node_count(ns.nnodes),

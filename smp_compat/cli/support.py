@@ -63,6 +63,10 @@ class Entry:
 
 
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
+_SAFE_LOAD = (
+    "Safe loading (tensors, containers, argparse.Namespace, numpy scalars); other objects from trusted folders "
+    "(SMP_COMPAT_TRUST_CHECKPOINTS, smp-compat run --trust-checkpoint) or with weights_only=False."
+)
 _Row = tuple  # (name, status, note, action[, group])
 
 _NO_TP = "Tensor parallelism is not implemented (tensor_parallel_degree must be 1)."
@@ -139,9 +143,9 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
     ]),
     ("Save and load", [
         ("save", _S, "Atomic writes.", ""),
-        ("load", _S, "Loads with weights_only=True unless told otherwise.", ""),
+        ("load", _S, _SAFE_LOAD, ""),
         ("save_checkpoint", _S, "SMP's folder layout; written atomically (docs/checkpoints.md).", ""),
-        ("resume_from_checkpoint", _S, "", ""),
+        ("resume_from_checkpoint", _S, _SAFE_LOAD, ""),
     ]),
     ("Ranks, sizes and groups", [
         *((name, _S, "", "") for name in (

@@ -164,7 +164,7 @@ class PipelineEngine(ServingSide):
         self._send(owner, "fwd", meta, data)
         reply = self._await(ctx, call_id, f"forward of {record.description}")
         if reply.kind == "fwd_err":
-            raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}")
+            raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}", reply.meta.get("root"))
         calls.records[call_id] = record
         outputs = self._decode_outputs(calls, record, reply, grad)
         return fill_tensors(reply.meta["skeleton"], outputs)
@@ -293,7 +293,8 @@ class PipelineEngine(ServingSide):
                 driver.outstanding.discard(request)
                 reply = driver.replies.pop(request)
                 if reply.kind == "bwd_err":
-                    raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}")
+                    raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}",
+                                      reply.meta.get("root"))  # fmt: skip
                 for (call_id, _, i), g in zip(reply.meta["leaves"], reply.tensors):
                     t = self._record(call_id).grad_inputs[i]
                     if t is not None:

@@ -19,6 +19,7 @@ from smp_compat.runtime.remote import CallId, Context, Hosted, set_context
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.transport import Message
+from smp_compat.root_cause import RootCause, root_of
 from smp_compat.stepping.step import set_current_microbatch
 
 __all__ = ["ServingSide"]
@@ -80,8 +81,9 @@ class ServingSide:
             with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
                 result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
             skeleton, outputs = flatten_tensors(result)
-        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            self._reply_error(message, "fwd_err", "call", description)
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
+            root = root_of(exc, self.rank, self._describe(meta["target"]), f"microbatch {mb}, forward")
+            self._reply_error(message, "fwd_err", "call", description, root)
             return
         specs = []
         hosted.descriptions[call_id] = self._describe(meta["target"])
@@ -113,16 +115,17 @@ class ServingSide:
         try:
             roots = [hosted.values[v] for v in meta["values"]]
             self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
-        except BaseException:  # noqa: BLE001 - the caller raises it with this rank's traceback
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
             modules = ", ".join(sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
-            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)")
+            root = root_of(exc, self.rank, modules, f"microbatch {meta['mb']}, backward")
+            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)", root)
             return
         leaves, grads = hosted.collect_leaf_grads()
         self._send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
 
-    def _reply_error(self, message: Message, kind: str, key: str, description: str) -> None:
+    def _reply_error(self, message: Message, kind: str, key: str, description: str, root: RootCause) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
-        self._send(message.src, kind, {key: message.meta[key], "error": text})
+        self._send(message.src, kind, {key: message.meta[key], "error": text, "root": root})
 
 
 @contextlib.contextmanager

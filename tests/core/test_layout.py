@@ -21,7 +21,7 @@ __all__: list[str] = []
 PACKAGE = Path(smp_compat.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "_compat": 0,
+    "errors": 0, "_compat": 0, "root_cause": 0,
     "config": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1,
     "globalstate": 2,
     "comm": 3, "ranks": 3,

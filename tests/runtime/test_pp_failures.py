@@ -168,7 +168,7 @@ class Faulty(nn.Module):
         self.calls += 1
         if self.calls > 2:  # the second step (2 microbatches a step)
             print(f"FAILING AT {time.time()}", flush=True)
-            raise ValueError("boom")
+            raise ValueError("boom from the faulty layer")
         return self.lin(h)
 
 class Net(nn.Module):
@@ -213,3 +213,7 @@ def test_failure_under_smp_compat_run_ends_the_job_within_seconds(tmp_path: Any)
     assert ended - failed_at < BOUND_S, f"the job took {ended - failed_at:.1f} s to end after the failure"
     assert "ValueError: boom" in output and "RemoteError" in output, output[-4000:]
     assert "stopping rank 1 because rank 0" in output, output[-4000:]
+    last = "\n".join(output.rstrip().splitlines()[-10:])  # torchrun's "Root Cause", from our error file
+    for needle in ("ValueError", "boom from the faulty layer", "rank 1", "'faulty'"):
+        assert needle in last, f"{needle!r} not in the job's last 10 lines:\n{last}"
+    assert "error_file: <N/A>" not in output, output[-4000:]
