@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import smp_compat as smp
-from smp_compat import cli
+from smp_compat.cli.run import plan_launch
 from smp_compat.errors import CheckpointError
 from smp_compat.checkpoints.load_policy import TRUST_ENV, TRUST_FLAG, is_trusted
 
@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 __all__: list[str] = []
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_dp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_dp.py"
 
 
 def _script_content() -> dict[str, Any]:
@@ -145,7 +145,7 @@ def test_the_run_flag_exports_the_variable_and_is_not_passed_to_torchrun(
 ) -> None:
     _save_config_checkpoint(tmp_path)
     monkeypatch.chdir(tmp_path.parent)
-    plan = cli.plan_launch([TRUST_FLAG, tmp_path.name, f"{TRUST_FLAG}=/elsewhere", str(SCRIPT), "--lr", "1"],
+    plan = plan_launch([TRUST_FLAG, tmp_path.name, f"{TRUST_FLAG}=/elsewhere", str(SCRIPT), "--lr", "1"],
                            environ={TRUST_ENV: "/inherited"})  # fmt: skip
     assert plan.env_updates[TRUST_ENV] == os.pathsep.join(["/inherited", str(tmp_path), "/elsewhere"])
     assert not any(token.startswith(TRUST_FLAG) for token in plan.command)
@@ -167,7 +167,7 @@ def test_smp_load_refuses_and_trusts_the_same_way(tmp_path: Path, monkeypatch: p
     message = str(info.value)
     assert "GPT2Config" in message and f"{TRUST_ENV}={tmp_path}" in message
     assert f"{TRUST_FLAG} {tmp_path}" in message and "weights_only=False" in message
-    plan = cli.plan_launch([TRUST_FLAG, str(tmp_path), str(SCRIPT)], environ={})
+    plan = plan_launch([TRUST_FLAG, str(tmp_path), str(SCRIPT)], environ={})
     monkeypatch.setenv(TRUST_ENV, plan.env_updates[TRUST_ENV])
     _assert_config(smp.load(tmp_path / "cfg.pt"))
     monkeypatch.setenv(TRUST_ENV, "1")
