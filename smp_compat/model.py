@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from smp_compat import grads, state_dicts
 from smp_compat.checkpointing import apply_activation_checkpointing
-from smp_compat.creation import materialize_local
+from smp_compat.materialize import materialize_local
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -145,7 +145,7 @@ class DistributedModel(nn.Module):
 
             self.pipeline_engine = PipelineEngine.create(self, step_fn, microbatches)
         else:
-            materialize_local(list(self.module.modules()), state.device)
+            materialize_local(self.module, list(self.module.modules()), state.device)
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
