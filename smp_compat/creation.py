@@ -130,7 +130,10 @@ def _register_delayed(module: nn.Module, name: str, param: nn.Parameter | None) 
     delayed.__dict__.update(param.__dict__)
     delayed._smp_creator = module
     delayed._smp_unreplayed = False
-    torch.utils.swap_tensors(param, delayed)  # the module and any caller keep the same Python object
+    try:
+        torch.utils.swap_tensors(param, delayed)  # the module and any caller keep the same Python object
+    except RuntimeError:  # the parameter has weak references: register the meta one instead
+        module._parameters[name] = delayed
 
 
 @contextlib.contextmanager

@@ -155,7 +155,8 @@ def _has_pending(module: nn.Module, ids: set[int]) -> bool:
 
 def _run_owned(module: nn.Module, init: Callable[[], object], ids: set[int], owners: dict[int, nn.Module]) -> None:
     """Run ``init``, keeping the values of tied parameters ``module`` holds but does not own."""
-    tied = [p for p in module._parameters.values() if p is not None and id(p) in ids and owners.get(id(p)) is not module]
+    held = [p for p in module._parameters.values() if p is not None and id(p) in ids]
+    tied = [p for p in held if owners.get(id(p)) is not module]
     saved = [p.detach().clone() for p in tied]
     init()
     for p, value in zip(tied, saved):
@@ -163,7 +164,8 @@ def _run_owned(module: nn.Module, init: Callable[[], object], ids: set[int], own
 
 
 def _check_initialized(pending: list[torch.Tensor], names: dict[int, str]) -> None:
-    left = [names.get(id(t), "?") for t in pending if t.is_floating_point() and t.numel() and bool(torch.isnan(t).any())]
+    unset = [t for t in pending if t.is_floating_point() and t.numel() and bool(torch.isnan(t).any())]
+    left = [names.get(id(t), "?") for t in unset]
     if left:
         raise SMPUnsupportedError(
             f"delayed initialization left {_listing(left)} uninitialized: the modules' initializers "
