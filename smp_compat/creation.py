@@ -103,8 +103,8 @@ def _holds(module: nn.Module, param: torch.Tensor, name: str) -> bool:
 
 def is_hf_model(module: nn.Module) -> bool:
     """True for a ``transformers`` ``PreTrainedModel`` (whose ``_init_weights`` is replayed)."""
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    modeling = sys.modules.get("transformers.modeling_utils")  # not imported: no transformers model exists
+    base = getattr(modeling, "PreTrainedModel", None) if modeling is not None else None
     return base is not None and isinstance(module, base)
 
 

@@ -122,6 +122,38 @@ def test_buffers_made_in_init_keep_their_values() -> None:
     assert built_real  # buffers hold their values from construction on
 
 
+def _rotary_pp2() -> dict:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
+    net = _delayed(lambda: nn.Sequential(RotaryBlock(), RotaryBlock()), config)
+    model = smp.DistributedModel(net)
+    smp.set_partition(net[1], 1)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    train_step(model, torch.randn(4, SEQ, DIM))
+    return {"buffers": {n: b.clone() for n, b in model.local_named_buffers()},
+            "params": {n: p.detach().clone() for n, p in model.local_named_parameters()}}  # fmt: skip
+
+
+def test_buffers_and_parameters_at_pp2_are_each_ranks_own_and_real() -> None:
+    results = run_ranks(_rotary_pp2, 2, timeout=120)
+    ref = nn.Sequential(RotaryBlock(), RotaryBlock())
+    assert [set(r["params"]) for r in results] == [{"0.weight"}, {"1.weight"}]
+    for r in results:
+        for name, value in r["buffers"].items():
+            assert torch.equal(value, dict(ref.named_buffers())[name]), name
+        for name, value in r["params"].items():
+            _assert_same_distribution(name, value, dict(ref.named_parameters())[name])
+    assert sorted(n for r in results for n in r["buffers"]) == sorted(n for n, _ in ref.named_buffers())
+
+
 @pytest.mark.parametrize("head_first", [False, True])
 def test_parameters_have_the_distribution_of_a_normal_build(head_first: bool) -> None:
     import smp_compat as smp
@@ -174,6 +206,33 @@ def test_writes_after_construction_warn_once_naming_the_parameters() -> None:
     assert len(messages) == 1, messages
     assert "fc.weight" in messages[0] and "norm.bias" in messages[0]
     assert "fc.bias" not in messages[0] and "emb.weight" not in messages[0]
+
+
+class InitLoopLM(nn.Module):
+    """nanoGPT's pattern: an init loop in ``__init__``, outside any reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, DIM)
+        self.fc = nn.Linear(DIM, 100)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(tokens))
+
+
+def test_init_loop_in_a_models_init_warns() -> None:
+    import smp_compat as smp
+
+    model = smp.DistributedModel(_delayed(InitLoopLM))
+    with pytest.warns(UserWarning, match="cannot replay") as caught:
+        _train(model, steps=1, vocab=100)
+    message = next(str(w.message) for w in caught if "cannot replay" in str(w.message))
+    assert "fc.weight" in message and "emb.weight" not in message and "fc.bias" not in message
 
 
 def test_construction_inits_do_not_warn() -> None:
