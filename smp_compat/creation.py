@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 REPLAYED_INITIALIZERS = ("reset_parameters", "_reset_parameters", "_init_weights")
-_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad_", "__get__", "__set__"}
+_NOT_WRITES = {"requires_grad_", "share_memory_", "detach_"}
 _IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
 _depth = 0
 _replaying = 0
@@ -83,22 +83,22 @@ def _write_target(func: Any, args: tuple, kwargs: dict) -> DelayedParameter | No
 
 
 def _replayed_here(param: DelayedParameter) -> bool:
-    """True if a replayed initializer of a module holding ``param`` is running (on the call stack)."""
+    """True if an initializer that materialization replays, of a module holding ``param``, is on the stack."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_name
         if name in REPLAYED_INITIALIZERS:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and initializer_name(owner) == name and _holds(owner, param, name):
+            if isinstance(owner, nn.Module) and _replays(owner, name, param):
                 return True
         frame = frame.f_back
     return False
 
 
-def _holds(module: nn.Module, param: torch.Tensor, name: str) -> bool:
-    if name == "_init_weights":  # a transformers model: it initializes its whole tree
-        return True
-    return any(p is param for p in module.parameters())
+def _replays(module: nn.Module, method: str, param: torch.Tensor) -> bool:
+    if method == "_init_weights":  # a transformers model's: replayed over its whole tree
+        return is_hf_model(module)
+    return torch_initializer_name(module) == method and any(p is param for p in module.parameters())
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -106,11 +106,6 @@ def is_hf_model(module: nn.Module) -> bool:
     modeling = sys.modules.get("transformers.modeling_utils")  # not imported: no transformers model exists
     base = getattr(modeling, "PreTrainedModel", None) if modeling is not None else None
     return base is not None and isinstance(module, base)
-
-
-def initializer_name(module: nn.Module) -> str | None:
-    """The method materialization replays for ``module``'s own parameters, or None."""
-    return "_init_weights" if is_hf_model(module) else torch_initializer_name(module)
 
 
 def torch_initializer_name(module: nn.Module) -> str | None:

@@ -327,13 +327,17 @@ def _gpt2(pp: int) -> dict:
     tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     fresh = {}
     losses = []
-    for step in range(6):
-        opt.zero_grad()
-        losses.append(train_step(model, tokens).reduce_mean().item())
-        if step == 0:
-            fresh = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-        opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            opt.zero_grad()
+            losses.append(train_step(model, tokens).reduce_mean().item())
+            if step == 0:
+                fresh = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+            opt.step()
+    unreplayed = [str(w.message) for w in caught if "cannot replay" in str(w.message)]
     return {"losses": losses, "fresh": fresh, "tied": net.lm_head.weight is net.transformer.wte.weight,
+            "unreplayed": unreplayed,
             "buffers": {n: b.clone() for n, b in model.local_named_buffers()}}  # fmt: skip
 
 
@@ -346,7 +350,7 @@ def _check_gpt2(results: list[dict]) -> None:
     ref_buffers = dict(ref.named_buffers())
     seen = set()
     for r in results:
-        assert r["tied"]
+        assert r["tied"] and not r["unreplayed"]
         assert r["losses"][-1] < r["losses"][0] - 0.5, r["losses"]
         for name, value in r["fresh"].items():
             _assert_same_distribution(name, value, ref_params[name])
