@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
 from smp_compat.memory.activation_checkpointing import apply_activation_checkpointing
-from smp_compat.memory.model_creation import materialize_local
+from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -146,11 +146,12 @@ class DistributedModel(nn.Module):
 
             self.pipeline_engine = PipelineEngine.create(self, step_fn, microbatches)
         else:
-            materialize_local(list(self.module.modules()), state.device)
+            materialize_local(self.module, list(self.module.modules()), state.device)
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
         deferred_loads.apply_pending_model_loads(self)  # before fp16 masters are copied from the weights
+        check_initialized(self.module)  # a delayed parameter with no initializer must have been loaded
         self._sync_replicas()
         for action in self._partition_actions:
             action(self)

@@ -100,8 +100,10 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("set_tensor_parallelism", _U, _NO_TP, _NO_TP_ACTION),
         ("tp_register", _U, _NO_TP, "Remove the decorator."),
         ("tp_register_with_module", _U, _NO_TP, _NO_TP_ACTION),
-        ("delay_param_initialization", _S, "Modules are created on the meta device; each rank materializes its own "
-         "with their reset_parameters() after partitioning.", ""),
+        ("delay_param_initialization", _S, "Parameters are created on the meta device (buffers stay real); each "
+         "rank allocates its own after partitioning and replays reset_parameters() / _reset_parameters() / a "
+         "transformers model's _init_weights. Other writes made before partitioning are not replayed (warning).",
+         ""),
         ("model_creation", _P, "Sets the default dtype and delayed initialization; tensor_parallelism=True raises "
          "SMPUnsupportedError when tp > 1.", "Keep tensor_parallelism false (tensor_parallel_degree 1)."),
         ("set_activation_checkpointing", _S, "A module spanning pipeline ranks is skipped with a warning, as in SMP.",

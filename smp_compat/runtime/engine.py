@@ -19,7 +19,7 @@ from torch import nn
 from smp_compat import failure, timeline
 from smp_compat.memory.activation_checkpointing import requested_checkpointing
 from smp_compat.errors import RemoteError, StepUsageError
-from smp_compat.memory.model_creation import materialize_local
+from smp_compat.memory.materialize import materialize_local
 from smp_compat.partitioning import PartitionPlan
 from smp_compat.runtime.dispatch import dispatching_forward, sequential_forward
 from smp_compat.runtime.ordered_grads import OrderedGradients
@@ -71,7 +71,7 @@ class PipelineEngine(ServingSide):
         self.cfg = state.cfg
         self.placement = Placement(self.root, plan)
         local = [m for n, m in zip(self.placement.names, self.placement.modules) if plan.rank_of(n) == self.pp_rank]
-        materialize_local(local, state.device)
+        materialize_local(self.root, local, state.device)
         self.placement.release_non_local(self.pp_rank, state.device)
         self._install_dispatch()
         self.scheduler = Scheduler(self._handle, self.rank)

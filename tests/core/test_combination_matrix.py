@@ -218,13 +218,6 @@ def test_combinations_match_plain_pytorch(world: int) -> None:
     _run_world(_by_world(PAIRWISE + ALL_ON)[world])
 
 
-@pytest.mark.xfail(
-    raises=RankFailure,
-    strict=True,
-    reason="issue 10 item 4(c): delayed initialization refuses nn.MultiheadAttention (its init is "
-    "_reset_parameters) and a root module with parameters of its own; remove this mark once item 4 lands "
-    "(with those inits supplied by hand these cells pass)",
-)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_delayed_initialization_combinations_match_plain_pytorch(world: int) -> None:
     _run_world(_by_world(DELAYED)[world])
