@@ -3,8 +3,9 @@
 Every use of ``smdistributed.modelparallel.torch`` (under any import alias, ``from ... import`` names and
 attribute chains such as ``smp.nn.DistributedLinear`` or ``smp.state.cfg.fp16``) and every config key (dicts
 passed to ``smp.init``, ``"parameters"`` of a SageMaker distribution dict, JSON config files) is looked up
-in :mod:`smp_compat.support`, the registry the docs table is generated from. Methods of the wrapped model
-(``model.local_state_dict()``) are not attributed: only the module-level API is visible without running.
+in :mod:`smp_compat.support`, the registry the docs table is generated from. Members used on the objects
+SMP returns (``model.local_state_dict()``, ``optimizer.clip_master_grads``, ``loss.reduce_mean()``) are
+found by :mod:`smp_compat.cli_check_members`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from smp_compat.cli_check_members import report_members
 from smp_compat.config import SMPConfig
 from smp_compat.support import CONFIG, Status, config_value_status, lookup_api, suggest_key
 
@@ -45,6 +47,7 @@ _MPI_KEYS = {
                            "Pass launcher options to smp-compat run (torchrun options) or to srun/mpirun."),
 }  # fmt: skip
 _MAX_VALUE = 40
+_API_KINDS = ("api", "member")  # listed in the API table; the rest in the config table
 
 
 # ---------------------------------------------------------------- results
@@ -54,7 +57,7 @@ _MAX_VALUE = 40
 class Finding:
     """One SMP name or config key used by one file, with every line it appears on."""
 
-    kind: str  # "api", "config", "config read", "launch"
+    kind: str  # "api", "member", "config", "config read", "launch"
     name: str
     status: str
     lines: list[int] = field(default_factory=list)
@@ -93,7 +96,7 @@ class FileReport:
         self.findings.append(Finding(kind, name, status, [line], note, action, [] if value is None else [value]))
 
     def sorted_findings(self) -> list[Finding]:
-        return sorted(self.findings, key=lambda f: (f.lines[0], f.kind != "api"))  # stable: ties keep source order
+        return sorted(self.findings, key=lambda f: (f.lines[0], f.kind not in _API_KINDS))  # ties keep source order
 
     def worst(self) -> str:
         statuses = [f.status for f in self.findings] + ([ERROR] if self.error else [])
@@ -429,6 +432,8 @@ def check_source(text: str, path: str = "<string>", file_path: Path | None = Non
     source = _Source(tree, text, report, file_path)
     source.collect()
     source.walk()
+    if source.aliases:  # objects SMP returns exist only where SMP is imported
+        report_members(report, tree, source._resolve, text)
     return report
 
 
@@ -528,7 +533,7 @@ def _table(title: str, findings: list[Finding], with_values: bool) -> Table:
     table.add_column("status", no_wrap=True)
     table.add_column("note / what to do", overflow="fold", ratio=1)
     for f in findings:
-        label = f.name if f.kind in ("api", "config") else f"{f.name} ({f.kind})"
+        label = f.name if f.kind in ("api", "member", "config") else f"{f.name} ({f.kind})"
         cells = [_lines_text(f.lines), label] + ([", ".join(f.values)] if with_values else [])
         table.add_row(*cells, Text(f.status, style=_STYLE[f.status]), _explanation(f))
     return table
@@ -537,8 +542,8 @@ def _table(title: str, findings: list[Finding], with_values: bool) -> Table:
 def _file_tables(report: FileReport) -> list[Table]:
     """The SMP API uses, then the config keys (with their values), each in line order."""
     findings = report.sorted_findings()
-    api = [f for f in findings if f.kind == "api"]
-    config = [f for f in findings if f.kind != "api"]
+    api = [f for f in findings if f.kind in _API_KINDS]
+    config = [f for f in findings if f.kind not in _API_KINDS]
     tables = [_table(f"{report.path}: SMP API", api, False)] if api else []
     if config:
         tables.append(_table(f"{report.path}: config", config, True))
