@@ -2,7 +2,8 @@
 
 ``smp-compat check`` and ``docs/api_support.md`` (``python -m smp_compat.support --markdown``) both read
 it, and tests hold it against the package itself (a name marked supported must exist, an unsupported one
-must not), so code, checker and docs cannot disagree. Config-key statuses are not written here at all:
+must not; tests/test_support_e2e.py uses every supported entry end to end), so code, checker and docs
+cannot disagree. Config-key statuses are not written here at all:
 they are derived from ``smp_compat.config.NOT_ACTED_ON`` and ``UNSUPPORTED``.
 """
 
@@ -393,7 +394,8 @@ def markdown() -> str:
         "",
         "What smp_compat implements of `smdistributed.modelparallel.torch` (imported as `smp`). This table is",
         "generated from `smp_compat/support.py`, the same registry `smp-compat check` reads; tests hold the",
-        "registry against the package, and config-key statuses come from `smp_compat/config.py` itself.",
+        "registry against the package (every entry marked supported is used end to end in",
+        "`tests/test_support_e2e.py`), and config-key statuses come from `smp_compat/config.py` itself.",
         "",
         "- **supported**: works as in SMP (differences: [differences.md](differences.md)).",
         "- **partial**: exists, with the limit stated in the notes.",

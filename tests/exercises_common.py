@@ -54,14 +54,16 @@ def make_net(seed: int = 0, **kwargs: Any) -> Net:
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(GLOBAL_BATCH, D, generator=g), torch.randn(GLOBAL_BATCH, D, generator=g)) for _ in range(steps)]
+    return [(torch.randn(GLOBAL_BATCH, D, generator=g), torch.randn(GLOBAL_BATCH, D, generator=g))
+            for _ in range(steps)]  # fmt: skip
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.05) if kind == "adam" else torch.optim.SGD(params, lr=0.1)
 
 
-def reference(steps: int = STEPS, optimizer: str = "sgd", net: Callable[[], nn.Module] = make_net) -> dict[str, torch.Tensor]:
+def reference(steps: int = STEPS, optimizer: str = "sgd",
+              net: Callable[[], nn.Module] = make_net) -> dict[str, torch.Tensor]:  # fmt: skip
     """Plain single-process PyTorch on the global batches: the parameters every run must end with."""
     model = net()
     opt = make_optimizer(optimizer, model.parameters())
@@ -90,7 +92,8 @@ def shard(smp: Any, t: torch.Tensor) -> torch.Tensor:
     return t[smp.dp_rank() * per : (smp.dp_rank() + 1) * per]
 
 
-def train(smp: Any, model: Any, opt: Any, steps: range | None = None, step: Any = None, scaler: Any = None) -> list[float]:
+def train(smp: Any, model: Any, opt: Any, steps: range | None = None, step: Any = None,
+          scaler: Any = None) -> list[float]:  # fmt: skip
     """SMP-style loop over ``steps`` of the shared batches; returns the global mean losses."""
     step = step or mse_step(smp, scaler)
     data = batches(max(steps) + 1 if steps else STEPS)

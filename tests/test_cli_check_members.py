@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
+
+import pytest
 
 from smp_compat import cli
 from smp_compat.cli_check import FileReport, check_source
@@ -157,7 +160,7 @@ def test_members_the_objects_lack_are_hinted_not_counted() -> None:
     ]  # the optimizer may be any torch optimizer class: its own members are not judged
 
 
-def test_unsupported_member_sets_the_exit_status(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_unsupported_member_sets_the_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         import smdistributed.modelparallel.torch as smp
