@@ -3,9 +3,9 @@
 It follows, through one file and without running it, the objects that ``smp.DistributedModel(...)``,
 ``smp.DistributedOptimizer(...)``, ``smp.state.model``/``optimizer`` and calls of ``@smp.step`` functions
 return: assignments (tuple unpacking of step outputs included), simple aliasing, ``self.x`` attributes, and
-the parameters and return values of the script's own functions. Inside one function a use sees the last
-binding before it, so ``model = smp.DistributedModel(model)`` tracks ``model`` from that line on; names of
-an enclosing scope and attributes are flow-insensitive.
+the parameters and return values of the script's own functions (and of the hooks registered on the model).
+Inside one function a use sees the last binding before it, so ``model = smp.DistributedModel(model)`` tracks
+``model`` from that line on; names of an enclosing scope and attributes are flow-insensitive.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ Value = Union[str, tuple["Value", ...], None]  # noqa: UP007 - a recursive alias
 Pos = tuple[int, int]
 Resolver = Callable[[ast.AST], "list[str] | None"]
 _PKG = ["smdistributed", "modelparallel", "torch"]
+_HOOK_METHODS = ("register_post_step_hook", "register_post_partition_hook")
 _ROUNDS = 6  # parameter bindings reach a fixed point in (call depth) rounds; scripts are shallow
 
 
@@ -310,12 +311,33 @@ class Flow:
                     for name, value in self._arguments(call, scope, function, method):
                         if step and value not in (MODEL, OPTIMIZER):
                             value = None  # other arguments are split into microbatches
-                        binding = self.params[id(function)].get(name)
-                        if binding is not None and value is not None and binding.value is None:
-                            binding.value, changed = value, True
+                        changed |= self._bind(function, name, value)
+                for function in self._hooks(call, scope):  # SMP calls hook(model, optimizer)
+                    args = function.args.posonlyargs + function.args.args
+                    for arg, value in zip(args, (MODEL, OPTIMIZER)):
+                        changed |= self._bind(function, arg.arg, value)
             if not changed:
                 break
         self.memo.clear()
+
+    def _bind(self, function: ast.AST, name: str, value: Value) -> bool:
+        binding = self.params[id(function)].get(name)
+        if binding is None or value is None or binding.value is not None:
+            return False
+        binding.value = value
+        return True
+
+    def _hooks(self, call: ast.Call, scope: _Scope) -> list[ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda]:
+        """The hook of ``model.register_post_step_hook(hook)`` / ``register_post_partition_hook``."""
+        func = call.func
+        if not (isinstance(func, ast.Attribute) and func.attr in _HOOK_METHODS and call.args):
+            return []
+        if self.value(func.value, scope) != MODEL:
+            return []
+        hook = call.args[0]
+        if isinstance(hook, ast.Lambda):
+            return [hook]
+        return list(self.defs.get(hook.id, [])) if isinstance(hook, ast.Name) else []
 
     def _arguments(self, call: ast.Call, scope: _Scope, function: ast.AST, method: bool) -> Iterator[tuple[str, Value]]:
         args = function.args  # type: ignore[attr-defined]

@@ -119,6 +119,8 @@ HF = [
     ("api", "smp.DistributedModel", [55], S),
     ("api", "smp.DistributedOptimizer", [56], api("DistributedOptimizer")),
     ("member", "DistributedModel.register_post_step_hook", [57], method("DistributedModel.register_post_step_hook")),
+    ("member", "DistributedOptimizer.load_state_dict", [57], method("DistributedOptimizer.load_state_dict")),
+    ("member", "DistributedOptimizer.state_dict", [57], method("DistributedOptimizer.state_dict")),
     ("api", "smp.is_initialized", [62], S),
     ("api", "smp.rdp_rank", [64, 69], S),
     ("api", "smp.dp_rank", [64], S),

@@ -136,6 +136,28 @@ def test_attributes_aliases_rebinding_and_the_scripts_own_functions() -> None:
     ]  # unused() is never called with the model; `model.partitioned` comes after `model = None`
 
 
+def test_hooks_receive_the_model_and_the_optimizer() -> None:
+    found = _members("""
+        import smdistributed.modelparallel.torch as smp
+        model = smp.DistributedModel(Net())
+
+        def after_partition(m, opt):
+            m.local_modules()
+            opt.local_state_dict()
+
+        model.register_post_partition_hook(after_partition)
+        model.register_post_step_hook(lambda m, o: o.load_state_dict(o.state_dict()))
+    """)
+    assert found == [
+        ("DistributedModel.local_modules", [5], S),
+        ("DistributedOptimizer.local_state_dict", [6], S),
+        ("DistributedModel.register_post_partition_hook", [8], S),
+        ("DistributedModel.register_post_step_hook", [9], S),
+        ("DistributedOptimizer.load_state_dict", [9], S),
+        ("DistributedOptimizer.state_dict", [9], S),
+    ]
+
+
 def test_members_the_objects_lack_are_hinted_not_counted() -> None:
     report = _report("""
         import smdistributed.modelparallel.torch as smp
