@@ -16,6 +16,8 @@ from torch import nn
 D, HIDDEN, STEPS, GLOBAL_BATCH = 4, 8, 3, 8
 PP2_DP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
 
+torch.optim.Adam([nn.Parameter(torch.zeros(1))])  # its first use imports torch._dynamo: once here, not per forked rank
+
 
 class Out(nn.Module):
     """The last layer, with a constant buffer (so buffers travel through partitioning and state dicts)."""

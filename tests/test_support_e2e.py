@@ -13,7 +13,6 @@ import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -147,7 +146,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS))
-def test_supported_entries_work_end_to_end(world: str, tmp_path: Path) -> Any:
+def test_supported_entries_work_end_to_end(world: str, tmp_path: Path) -> None:
     (tmp_path / "port").write_text(str(_free_port()))
     exercises = WORLDS[world]
     results = run_ranks(_world, 4, exercises, str(tmp_path), timeout=240)
