@@ -57,7 +57,12 @@ def members(tree: ast.Module, resolve: Resolver, text: str) -> list[Member]:
 
 def report_members(report: FileReport, tree: ast.Module, resolve: Resolver, text: str) -> None:
     """Add a ``member`` finding per registry member used (hints for members the objects lack)."""
-    for member in members(tree, resolve, text):
+    try:
+        found = members(tree, resolve, text)
+    except RecursionError:  # a pathological chain of assignments; the module-level findings still stand
+        report.hints.append("members of the objects SMP returns were not checked: the file nests too deeply.")
+        return
+    for member in found:
         entry = METHODS.get(f"{member.section}.{member.name}")
         if entry is not None:
             report.add("member", entry.name, member.line, entry.status, entry.note, entry.action)
