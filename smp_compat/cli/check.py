@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from smp_compat.cli.scan import ERROR, RANK, FileReport, Finding, check_source, record_config_key, record_mpi_key
+from smp_compat.cli.scan import API_KINDS, ERROR, RANK, FileReport, Finding, check_source, record_config_key, record_mpi_key
 from smp_compat.cli.support import Status
 
 __all__ = ["ERROR", "FileReport", "Finding", "check_command", "check_file", "check_json", "check_source", "main"]
@@ -123,7 +123,7 @@ def _table(title: str, findings: list[Finding], with_values: bool) -> Table:
     table.add_column("status", no_wrap=True)
     table.add_column("note / what to do", overflow="fold", ratio=1)
     for f in findings:
-        label = f.name if f.kind in ("api", "config") else f"{f.name} ({f.kind})"
+        label = f.name if f.kind in ("api", "member", "config") else f"{f.name} ({f.kind})"
         cells = [_lines_text(f.lines), label] + ([", ".join(f.values)] if with_values else [])
         table.add_row(*cells, Text(f.status, style=_STYLE[f.status]), _explanation(f))
     return table
@@ -132,8 +132,8 @@ def _table(title: str, findings: list[Finding], with_values: bool) -> Table:
 def _file_tables(report: FileReport) -> list[Table]:
     """The SMP API uses, then the config keys (with their values), each in line order."""
     findings = report.sorted_findings()
-    api = [f for f in findings if f.kind == "api"]
-    config = [f for f in findings if f.kind != "api"]
+    api = [f for f in findings if f.kind in API_KINDS]
+    config = [f for f in findings if f.kind not in API_KINDS]
     tables = [_table(f"{report.path}: SMP API", api, False)] if api else []
     if config:
         tables.append(_table(f"{report.path}: config", config, True))

@@ -3,8 +3,9 @@
 ``smp-compat check`` (``check.py``) reports them. Every use of ``smdistributed.modelparallel.torch`` (under any import alias, ``from ... import`` names and
 attribute chains such as ``smp.nn.DistributedLinear`` or ``smp.state.cfg.fp16``) and every config key (dicts
 passed to ``smp.init``, ``"parameters"`` of a SageMaker distribution dict, JSON config files) is looked up
-in :mod:`smp_compat.cli.support`, the registry the docs table is generated from. Methods of the wrapped model
-(``model.local_state_dict()``) are not attributed: only the module-level API is visible without running.
+in :mod:`smp_compat.cli.support`, the registry the docs table is generated from. Members used on the objects
+SMP returns (``model.local_state_dict()``, ``optimizer.clip_master_grads``, ``loss.reduce_mean()``) are
+found by :mod:`smp_compat.cli.check_members`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smp_compat.cli.check_members import report_members
 from smp_compat.config import SMPConfig
 from smp_compat.cli.support import CONFIG, Status, config_value_status, lookup_api, suggest_key
 
-__all__ = ["ERROR", "RANK", "FileReport", "Finding", "check_source", "record_config_key", "record_mpi_key"]
+__all__ = ["API_KINDS", "ERROR", "RANK", "FileReport", "Finding", "check_source", "record_config_key", "record_mpi_key"]
 
 ERROR = "error"
 """A status beyond the registry's: something SMP itself would reject too (unknown key or name, bad JSON)."""
@@ -37,6 +39,7 @@ _MPI_KEYS = {
                            "Pass launcher options to smp-compat run (torchrun options) or to srun/mpirun."),
 }  # fmt: skip
 _MAX_VALUE = 40
+API_KINDS = ("api", "member")  # listed in the API table; the rest in the config table
 
 
 # ---------------------------------------------------------------- results
@@ -46,7 +49,7 @@ _MAX_VALUE = 40
 class Finding:
     """One SMP name or config key used by one file, with every line it appears on."""
 
-    kind: str  # "api", "config", "config read", "launch"
+    kind: str  # "api", "member", "config", "config read", "launch"
     name: str
     status: str
     lines: list[int] = field(default_factory=list)
@@ -85,7 +88,7 @@ class FileReport:
         self.findings.append(Finding(kind, name, status, [line], note, action, [] if value is None else [value]))
 
     def sorted_findings(self) -> list[Finding]:
-        return sorted(self.findings, key=lambda f: (f.lines[0], f.kind != "api"))  # stable: ties keep source order
+        return sorted(self.findings, key=lambda f: (f.lines[0], f.kind not in API_KINDS))  # ties keep source order
 
     def worst(self) -> str:
         statuses = [f.status for f in self.findings] + ([ERROR] if self.error else [])
@@ -421,4 +424,6 @@ def check_source(text: str, path: str = "<string>", file_path: Path | None = Non
     source = _Source(tree, text, report, file_path)
     source.collect()
     source.walk()
+    if source.aliases:  # objects SMP returns exist only where SMP is imported
+        report_members(report, tree, source._resolve, text)
     return report

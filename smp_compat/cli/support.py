@@ -2,7 +2,8 @@
 
 ``smp-compat check`` and ``docs/api_support.md`` (``python -m smp_compat.cli.support --markdown``) both read
 it, and tests hold it against the package itself (a name marked supported must exist, an unsupported one
-must not), so code, checker and docs cannot disagree. Config-key statuses are not written here at all:
+must not; tests/test_support_e2e.py uses every supported entry end to end), so code, checker and docs
+cannot disagree. Config-key statuses are not written here at all:
 they are derived from ``smp_compat.config.NOT_ACTED_ON`` and ``UNSUPPORTED``.
 """
 
@@ -71,6 +72,7 @@ _Row = tuple  # (name, status, note, action[, group])
 
 _NO_TP = "Tensor parallelism is not implemented (tensor_parallel_degree must be 1)."
 _NO_TP_ACTION = "Remove it: with tp = 1 SMP left the modules unchanged too."
+_NO_SDP = "Set by SMP's sharded-data-parallel optimizer; sharded data parallelism is not implemented."
 
 _API_ROWS: list[tuple[str, list[_Row]]] = [
     ("Initialization and state", [
@@ -184,6 +186,8 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
             "local_modules", "local_named_modules", "get_module", "is_local_parameter", "is_local_buffer",
             "get_param_name", "register_post_partition_hook", "register_post_step_hook",
         )),
+        ("module", _P, "The user's module itself: SMP had its DDP and 16-bit wrappers in between.",
+         "Write model.get_module() for the user's module (it works in both) instead of model.module.module chains."),
         ("state_dict", _S, "Collective over the pipeline stages, as in SMP.", ""),
         ("local_state_dict", _S, "", ""),
         ("load_state_dict", _S, "Full or partial dicts; applied after partitioning, as in SMP.", ""),
@@ -213,6 +217,16 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
          "In fp32 use torch.nn.utils.clip_grad_norm_; with pp > 1 all-reduce the norm over the stages."),
         ("optimizer", _P, "The wrapped torch optimizer; exists only with fp16 or bf16 on, as in SMP.",
          "In fp32 the returned optimizer is the torch optimizer itself."),
+        ("overflow", _P, "True when the last step was skipped for inf/nan gradients; exists only with fp16 or bf16 "
+         "on, as in SMP.", "In fp32 no step is skipped: leave the check out."),
+        ("local_fp16_state_dict", _P, "Loss scaler and fp32 master weights; exists only with fp16 or bf16 on, "
+         "as in SMP.", "In fp32 there is no such state: save optimizer.local_state_dict() alone."),
+        ("load_local_fp16_state_dict", _P, "Restores local_fp16_state_dict(); exists only with fp16 or bf16 on, "
+         "as in SMP.", "In fp32 load optimizer.local_state_dict() alone."),
+        ("_global_grad_norm", _U, _NO_SDP, "Log the norm that torch.nn.utils.clip_grad_norm_ returns instead."),
+        *((name, _U, _NO_SDP + " (DeepSpeed ZeRO-3 internals that some scripts read)",
+           "Drop the per-shard bookkeeping: every data-parallel rank holds the full parameters and their state.")
+          for name in ("fp16_groups", "fp32_partitioned_groups_flat", "ds_param_shard_group")),
     ]),
     ("StepOutput", [
         *((name, _S, "", "") for name in ("outputs", "reduce_mean", "reduce_sum", "concat", "stack", "map", "clear")),
@@ -386,7 +400,8 @@ def markdown() -> str:
         "",
         "What smp_compat implements of `smdistributed.modelparallel.torch` (imported as `smp`). This table is",
         "generated from `smp_compat/cli/support.py`, the same registry `smp-compat check` reads; tests hold the",
-        "registry against the package, and config-key statuses come from `smp_compat/config.py` itself.",
+        "registry against the package (every entry marked supported is used end to end in",
+        "`tests/cli/test_support_e2e.py`), and config-key statuses come from `smp_compat/config.py` itself.",
         "",
         "- **supported**: works as in SMP (differences: [differences.md](differences.md)).",
         "- **partial**: exists, with the limit stated in the notes.",

@@ -11,7 +11,7 @@ import pytest
 
 from smp_compat import cli
 from smp_compat.cli.check import ERROR, FileReport, check_file, check_source
-from smp_compat.cli.support import API, CONFIG, Status, config_value_status
+from smp_compat.cli.support import API, CONFIG, METHODS, Status, config_value_status
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "smp_scripts"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -21,6 +21,11 @@ S, P, U = Status.SUPPORTED.value, Status.PARTIAL.value, Status.UNSUPPORTED.value
 def api(name: str) -> str:
     """The registry's status of smp.<name> (the part of the expectation that follows the package's progress)."""
     return API[name].status.value
+
+
+def method(name: str) -> str:
+    """The registry's status of a member (``DistributedModel.backward``) of an object SMP returns."""
+    return METHODS[name].status.value
 
 
 def key(name: str, value: Any = None, known: bool = True) -> str:
@@ -41,6 +46,8 @@ GPT2 = [
     ("api", "smp.nn.FusedLayerNorm", [9, 39], U),
     ("api", "smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2", [10, 100], U),
     ("api", "smp.step", [14, 21], S),
+    ("member", "DistributedModel.backward", [17], method("DistributedModel.backward")),
+    ("member", "StepOutput.reduce_mean", [31, 88], method("StepOutput.reduce_mean")),
     ("api", "smp.get_dp_process_group", [32], S),
     ("api", "smp.dp_size", [33], S),
     ("config", "ddp", [55], S),
@@ -63,28 +70,40 @@ GPT2 = [
     ("api", "smp.nn.DistributedAttentionLayer", [73], U),
     ("api", "smp.model_creation", [74], api("model_creation")),
     ("api", "smp.DistributedModel", [77], S),
+    ("member", "DistributedModel.get_module", [78, 81], method("DistributedModel.get_module")),
     ("api", "smp.set_activation_checkpointing", [79], api("set_activation_checkpointing")),
     ("api", "smp.DistributedOptimizer", [82], api("DistributedOptimizer")),
     ("api", "smp.resume_from_checkpoint", [83], api("resume_from_checkpoint")),
+    ("member", "DistributedOptimizer.zero_grad", [87], method("DistributedOptimizer.zero_grad")),
+    ("member", "DistributedOptimizer.clip_master_grads", [89], method("DistributedOptimizer.clip_master_grads")),
+    ("member", "DistributedOptimizer.step", [90], method("DistributedOptimizer.step")),
     ("api", "smp.rank", [91, 99], S),
     ("api", "smp.save_checkpoint", [94], api("save_checkpoint")),
     ("api", "smp.rdp_rank", [97], S),
+    ("member", "DistributedModel.state_dict", [98], method("DistributedModel.state_dict")),
     ("api", "smp.barrier", [101], S),
 ]
 
 MNIST = [
     ("api", "smp.step", [42, 51], S),
+    ("member", "DistributedModel.backward", [47], method("DistributedModel.backward")),
     ("api", "smp.init", [59], S),
     ("api", "smp.local_rank", [60, 63], S),
     ("api", "smp.barrier", [65, 86, 93, 98], S),
     ("api", "smp.DistributedModel", [69], S),
     ("api", "smp.amp.GradScaler", [70], api("amp.GradScaler")),
     ("api", "smp.DistributedOptimizer", [71], api("DistributedOptimizer")),
+    ("member", "DistributedOptimizer.zero_grad", [75], method("DistributedOptimizer.zero_grad")),
+    ("member", "StepOutput.reduce_mean", [77], method("StepOutput.reduce_mean")),
     ("api", "smp.rank", [80], S),
     ("api", "smp.mp_rank", [83], S),
     ("api", "smp.dp_rank", [87, 94], S),
     ("api", "smp.save", [88], S),
+    ("member", "DistributedModel.local_state_dict", [89], method("DistributedModel.local_state_dict")),
+    ("member", "DistributedOptimizer.local_state_dict", [89], method("DistributedOptimizer.local_state_dict")),
     ("api", "smp.load", [95], S),
+    ("member", "DistributedModel.load_state_dict", [96], method("DistributedModel.load_state_dict")),
+    ("member", "DistributedOptimizer.load_state_dict", [97], method("DistributedOptimizer.load_state_dict")),
 ]
 
 HF = [
@@ -99,6 +118,9 @@ HF = [
     ("config read", "smp.state.cfg.microbatchs", [54], ERROR),  # a typo: the config has no such key
     ("api", "smp.DistributedModel", [55], S),
     ("api", "smp.DistributedOptimizer", [56], api("DistributedOptimizer")),
+    ("member", "DistributedModel.register_post_step_hook", [57], method("DistributedModel.register_post_step_hook")),
+    ("member", "DistributedOptimizer.load_state_dict", [57], method("DistributedOptimizer.load_state_dict")),
+    ("member", "DistributedOptimizer.state_dict", [57], method("DistributedOptimizer.state_dict")),
     ("api", "smp.is_initialized", [62], S),
     ("api", "smp.rdp_rank", [64, 69], S),
     ("api", "smp.dp_rank", [64], S),
