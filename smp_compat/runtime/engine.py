@@ -20,6 +20,7 @@ from torch import nn
 
 from smp_compat import failure, timeline
 from smp_compat.checkpointing import requested_checkpointing, run_checkpointed
+from smp_compat.compiling import outside_compiled
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.creation import materialize_local
 from smp_compat.partitioning import PartitionPlan
@@ -88,6 +89,10 @@ class PipelineEngine:
         self._mb_calls: dict[int, MicrobatchCalls] = {}
         self._hosted: dict[tuple[int, int], Hosted] = {}
         self._lazy_sites: set[tuple[Any, ...]] = set()
+        self._compiler = getattr(model, "compiler", None)
+        if self._compiler is not None:
+            self._compiler.check_pipeline()
+        self._compiled_targets: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._driving: Driver | None = None
         self._releases: dict[int, list[int]] = {}
         self._ordered = (
@@ -122,7 +127,16 @@ class PipelineEngine:
                 module.forward = types.MethodType(_sequential_forward(self, index), module)
 
     def run_target(self, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
-        """Execute a call target on this rank: a module's own forward, or a run of Sequential children."""
+        """Execute a call target on this rank (compiled with the user's settings for a compiled model)."""
+        if self._compiler is None:
+            return self._run_target(target, args, kwargs)
+        fn = self._compiled_targets.get(target)
+        if fn is None:
+            fn = self._compiled_targets[target] = self._compiler(lambda *a, **kw: self._run_target(target, a, kw))
+        return fn(*args, **kwargs)
+
+    def _run_target(self, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
+        """A module's own forward, or a run of Sequential children."""
         kind, index = target[0], target[1]
         module = self.placement.modules[index]
         if kind == "module":
@@ -157,7 +171,7 @@ class PipelineEngine:
         record = CallRecord(call_id, owner, ctx.microbatch, site, f"{self._describe(target)} on rank {owner} "
                             f"(microbatch {ctx.microbatch})", grad_inputs=[])  # fmt: skip
         specs, data = self._encode_inputs(calls, record, tensors, grad)
-        lazy = site in self._lazy_sites
+        lazy = site in self._lazy_sites and self._compiler is None  # compiled code takes no RemoteTensor
         meta = {
             "call": call_id, "target": target, "mb": ctx.microbatch, "grad": grad, "amp": amp_state(),
             "skeleton": skeleton, "inputs": specs, "lazy": lazy, "checkpoint": requested_checkpointing(),
@@ -544,17 +558,25 @@ def _dispatching_forward(engine: PipelineEngine, index: int, owner: int, local: 
     """A forward that runs locally on the owner (and while tracing), else as a remote call."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if owner == engine.pp_rank or is_tracing():
+        if owner == engine.pp_rank:
             return self._smp_local_forward(*args, **kwargs)  # looked up now: checkpointing may wrap it
-        if not in_step():
-            raise StepUsageError(
-                f"module {engine.placement.names[index]!r} lives on pipeline rank {owner}; with "
-                "pipeline_parallel_degree > 1 it can only be called inside an @smp.step function."
-            )
-        return engine.remote_call(owner, ("module", index), args, kwargs)
+        return _call_elsewhere(engine, self, index, owner, args, kwargs)
 
     engine.placement.modules[index]._smp_local_forward = local
     return forward
+
+
+@outside_compiled
+def _call_elsewhere(engine: PipelineEngine, module: nn.Module, index: int, owner: int, args: tuple, kwargs: dict) -> Any:
+    """A module of another rank: a remote call (a graph break in compiled code), run here while tracing."""
+    if is_tracing():
+        return module._smp_local_forward(*args, **kwargs)
+    if not in_step():
+        raise StepUsageError(
+            f"module {engine.placement.names[index]!r} lives on pipeline rank {owner}; with "
+            "pipeline_parallel_degree > 1 it can only be called inside an @smp.step function."
+        )
+    return engine.remote_call(owner, ("module", index), args, kwargs)
 
 
 def _sequential_forward(engine: PipelineEngine, index: int) -> Callable[..., Any]:
@@ -568,7 +590,12 @@ def _sequential_forward(engine: PipelineEngine, index: int) -> Callable[..., Any
                 for child in children[start:stop]:
                     x = child(x)
             else:
-                x = engine.remote_call(rank, ("seq", index, start, stop), (x,), {})
+                x = _remote_run(engine, rank, ("seq", index, start, stop), x)
         return x
 
     return forward
+
+
+@outside_compiled
+def _remote_run(engine: PipelineEngine, rank: int, target: tuple[Any, ...], x: Any) -> Any:
+    return engine.remote_call(rank, target, (x,), {})
