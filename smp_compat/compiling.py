@@ -60,18 +60,9 @@ class Compiler:
             functorch_config.donated_buffer = False
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` compiled as ``torch.compile`` would have compiled it (hooks and all run inside)."""
-        return self._context(_trampoline(fn))
-
-
-def _trampoline(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` called from a frame of this file, so Dynamo captures it even when ``fn`` is a torch.nn forward
-    (frames inside torch's own files are skipped, see ``OptimizedModule._initialize``)."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    return run
+        """``fn`` compiled as ``torch.compile`` would have compiled it. ``fn`` must live outside torch's own
+        files, whose frames Dynamo skips (see ``OptimizedModule._initialize``)."""
+        return self._context(fn)
 
 
 def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, Compiler | None]:

@@ -92,7 +92,9 @@ class PipelineEngine:
         self._compiler = getattr(model, "compiler", None)
         if self._compiler is not None:
             self._compiler.check_pipeline()
-        self._compiled_targets: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # a compiled model: served calls compiled too; the module is an input, so one class compiles once
+        self._call_local = self._compiler(_call_local) if self._compiler is not None else _call_local
+        self._call_children = self._compiler(_call_children) if self._compiler is not None else _call_children
         self._driving: Driver | None = None
         self._releases: dict[int, list[int]] = {}
         self._ordered = (
@@ -127,25 +129,13 @@ class PipelineEngine:
                 module.forward = types.MethodType(_sequential_forward(self, index), module)
 
     def run_target(self, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
-        """Execute a call target on this rank (compiled with the user's settings for a compiled model)."""
-        if self._compiler is None:
-            return self._run_target(target, args, kwargs)
-        fn = self._compiled_targets.get(target)
-        if fn is None:
-            fn = self._compiled_targets[target] = self._compiler(lambda *a, **kw: self._run_target(target, a, kw))
-        return fn(*args, **kwargs)
-
-    def _run_target(self, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
-        """A module's own forward, or a run of Sequential children."""
+        """Execute a call target on this rank: a module's own forward, or a run of Sequential children."""
         kind, index = target[0], target[1]
         module = self.placement.modules[index]
         if kind == "module":
-            return module._smp_local_forward(*args, **kwargs)
-        start, stop = target[2], target[3]
+            return self._call_local(module, *args, **kwargs)
         (x,) = args
-        for child in list(module)[start:stop]:
-            x = child(x)
-        return x
+        return self._call_children(module, target[2], target[3], x)
 
     def _describe(self, target: tuple[Any, ...]) -> str:
         name = self.placement.names[target[1]] or "<root>"
@@ -564,6 +554,16 @@ def _dispatching_forward(engine: PipelineEngine, index: int, owner: int, local: 
 
     engine.placement.modules[index]._smp_local_forward = local
     return forward
+
+
+def _call_local(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._smp_local_forward(*args, **kwargs)
+
+
+def _call_children(seq: nn.Sequential, start: int, stop: int, x: Any) -> Any:
+    for child in list(seq)[start:stop]:
+        x = child(x)
+    return x
 
 
 @outside_compiled
