@@ -159,3 +159,25 @@ def _fullgraph(config: dict) -> str:
 def test_fullgraph_compile_at_pp2_is_refused_clearly() -> None:
     for message in run_ranks(_fullgraph, 2, CONFIG, timeout=60):
         assert "fullgraph=True" in message and "fullgraph=False" in message
+
+
+def test_checkpoint_of_a_compiled_plain_pytorch_model_loads_and_names_stay_plain() -> None:
+    """torch.compile(model).state_dict() prefixes every key with ``_orig_mod.``; our names are the model's."""
+    import smp_compat as smp
+
+    smp.init({})
+    source = torch.compile(_mlp(), backend="eager")
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    model = smp.DistributedModel(torch.compile(_mlp(), backend="eager"))
+    result = model.load_state_dict(source.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+
+    @smp.step
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(forward(model, x).concat(), source(x))  # the load applies at partitioning
+    assert list(model.state_dict()) == [k.removeprefix("_orig_mod.") for k in source.state_dict()]
