@@ -300,13 +300,18 @@ def _may_hold_batch_data(value: Any) -> bool:
     class). Configs, callables, scalers and other objects without tensors are clearly meant to be shared."""
     if any(hasattr(value, name) for name in _ARRAY_PROTOCOLS):
         return True
-    if callable(value):
+    if callable(value) or _optimizer_like(value):
         return False
     try:
         attributes = list(vars(value).values())
     except TypeError:  # no __dict__ (slots or a C type)
         attributes = [getattr(value, name, None) for name in getattr(type(value), "__slots__", ())]
     return any(_holds_tensor(attribute) for attribute in attributes)
+
+
+def _optimizer_like(value: Any) -> bool:
+    """An optimizer wrapper (smp's fp16 optimizer, a sharded or scheduled-free one): holds tensors, shares them."""
+    return callable(getattr(value, "step", None)) and callable(getattr(value, "zero_grad", None))
 
 
 def _holds_tensor(attribute: Any) -> bool:

@@ -69,6 +69,29 @@ def test_objects_that_are_not_batch_data_pass_silently() -> None:
         assert all(a is b for a, b in zip(args, values) if not isinstance(b, dict))
 
 
+class OptimizerWrapper:
+    """Like an fp16 optimizer wrapper: holds tensors (master weights), but is no batch data."""
+
+    def __init__(self) -> None:
+        self.masters = [torch.zeros(3)]
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+def test_smp_fp16_optimizer_and_optimizer_wrappers_pass_silently() -> None:
+    import smp_compat as smp
+
+    smp.init({"fp16": True})
+    model = smp.DistributedModel(nn.Linear(2, 2))
+    fp16_optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not isinstance(fp16_optimizer, torch.optim.Optimizer)  # the wrapper, as in SMP
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split_step_inputs(step, (fp16_optimizer, OptimizerWrapper()), {}, 2)
+
+
 @pytest.mark.parametrize("value", [np.zeros((4, 3)), Batch(), [torch.zeros(4), Batch()]], ids=["numpy", "batch", "list"])
 def test_plausible_batch_data_that_cannot_be_split_still_warns(value: Any) -> None:
     with pytest.warns(UserWarning, match="cannot be split into microbatches"):
