@@ -12,8 +12,9 @@ AWS's script: a ``GroupedNet`` of two sub-networks left to the automatic partiti
 training and one for evaluation, the data sharded by ``smp.dp_rank()``, and the evaluation sums taken over
 the microbatches. ``--amp`` runs the forward under autocast (bf16 on CPU, fp16 on GPUs) with
 ``smp.amp.GradScaler``, as AWS's version did on GPUs; without it the script trains exactly like plain
-PyTorch. ``--save-dir`` ends with AWS's checkpoint checks: a partial and a full ``smp.save``, then
-``smp.load`` of both, compared with what was saved.
+PyTorch. ``--inductor`` compiles the model with ``torch.compile`` before wrapping it, as AWS's test did
+(each stage compiles the modules it runs). ``--save-dir`` ends with AWS's checkpoint checks: a partial and
+a full ``smp.save``, then ``smp.load`` of both, compared with what was saved.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
     parser.add_argument("--out", help="rank 0 saves losses, test results and final parameters here")
     parser.add_argument("--amp", action="store_true", help="autocast + smp.amp.GradScaler, as AWS's GPU version")
+    parser.add_argument("--inductor", action="store_true", help="torch.compile the model (inductor) before wrapping it")
     parser.add_argument("--save-dir", help="partial and full smp.save / smp.load round trip in this folder")
     return parser.parse_args(argv)
 
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     test_batches = _shard(*make_data(args.test_samples, seed=2), args.batch_size)
     model = make_model()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    if args.inductor:
+        model = torch.compile(model)
     # SMP moves each partition to its device: no model.to(device) here.
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(optimizer)

@@ -203,6 +203,8 @@ def _create_axis_groups(topology: Topology, axis: str, rank: int) -> Any:
 def _warn_not_acted_on(cfg: SMPConfig) -> None:
     if cfg.offload_activations and state.device.type != "cuda":
         log.warning("offload_activations moves checkpointed activations to host memory on CUDA; on CPU it does nothing.")
+    for key in cfg.inert_keys():
+        log.debug("%s has no effect with this config (as in SMP): ignored.", key)
     keys = cfg.not_acted_on()
     if keys:
         warnings.warn(

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
 from smp_compat.memory.activation_checkpointing import apply_activation_checkpointing
 from smp_compat.memory.materialize import check_initialized, materialize_local
+from smp_compat.runtime.compiling import Compiler, unwrap_compiled
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -59,7 +60,9 @@ class DistributedModel(nn.Module):
             )
         _check_model_args(module, trace_device, backward_passes_per_step, bucket_cap_mb)
         super().__init__()
+        module, compiler = unwrap_compiled(module)  # torch.compile(model): partition the model itself
         self.module = module
+        self.compiler: Compiler | None = compiler
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times and trace_device != "cpu"
         self.trace_memory_usage = trace_memory_usage
@@ -88,10 +91,17 @@ class DistributedModel(nn.Module):
                 "inside a function decorated with @smp.step (put evaluation in its own step function and "
                 "call it under torch.no_grad())."
             )
+        run = self._root_forward()
         if state.cfg.fp16 or state.cfg.bf16:
             args, kwargs = _to_16bit((args, kwargs))
-            return _to_float32(self.module(*args, **kwargs))
-        return self.module(*args, **kwargs)
+            return _to_float32(run(*args, **kwargs))
+        return run(*args, **kwargs)
+
+    def _root_forward(self) -> Callable[..., Any]:
+        """The user's compiled module when there is one (not while the partitioner traces the model)."""
+        if self.compiler is None or is_tracing():
+            return self.module
+        return self.compiler.compiled
 
     def backward(self, tensors: Any, grad_tensors: Any = None, **unsupported: Any) -> None:
         """Replaces ``loss.backward()`` inside a step; scales by 1/microbatches when averaging."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +14,8 @@ from smp_compat.globalstate import state
 from smp_compat.memory.optimizer_sharding import OptimizerSharding
 
 __all__ = ["DistributedOptimizer"]
+
+log = logging.getLogger("smp_compat")
 
 
 def DistributedOptimizer(  # noqa: N802 - SMP's public name
@@ -34,9 +36,7 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
         raise TypeError(f"smp.DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     _check_ownership(optimizer, model)
     if not state.cfg.fp16 and (static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args):
-        warnings.warn(
-            "static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored.", stacklevel=2
-        )
+        log.debug("static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored (as in SMP).")
     _patch(optimizer)
     sharding = OptimizerSharding(optimizer) if state.cfg.shard_optimizer_state else None
     if sharding is not None:

@@ -48,7 +48,7 @@ PARTIAL_KEY = "_smp_is_partial"
 LOAD_INFO_KEY = "_smp_load_info"
 PARAM_NAMES_KEY = "_smp_param_names"
 MARKER_KEYS = (PARTIAL_KEY, LOAD_INFO_KEY, PARAM_NAMES_KEY)
-_WRAPPER_PREFIX = "module."
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/SMP wrappers; torch.compile's OptimizedModule
 _P2P_TAG = 0x5D1C
 
 
@@ -76,21 +76,24 @@ def _copy_metadata(source: Any, target: Any) -> None:
 
 
 def strip_wrapper_prefix(sd: Mapping[str, Any], expected: Iterable[str]) -> Mapping[str, Any]:
-    """Drop a ``module.`` prefix (DDP/SMP wrapper) when every key has it and the bare names are the model's."""
+    """Drop ``module.`` (DDP/SMP wrapper) or ``_orig_mod.`` (torch.compile) prefixes when every key has one and
+    the bare names are the model's."""
     expected = set(expected)
     keys = [k for k in sd if k not in MARKER_KEYS]
     if not keys or any(k in expected for k in keys):
         return sd
     stripped = OrderedDict(sd.items())
-    while keys and all(k.startswith(_WRAPPER_PREFIX) for k in keys):
-        stripped = OrderedDict(
-            (k[len(_WRAPPER_PREFIX):] if k not in MARKER_KEYS else k, v) for k, v in stripped.items()
-        )
+    while keys and (prefix := _shared_prefix(keys)):
+        stripped = OrderedDict((k[len(prefix):] if k not in MARKER_KEYS else k, v) for k, v in stripped.items())
         keys = [k for k in stripped if k not in MARKER_KEYS]
         if any(k in expected for k in keys):
             _copy_metadata(sd, stripped)
             return stripped
     return sd
+
+
+def _shared_prefix(keys: list[str]) -> str | None:
+    return next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
 
 
 def merge_model_parts(parts: Iterable[Mapping[str, Any]]) -> OrderedDict[str, Any]:

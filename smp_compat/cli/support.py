@@ -293,6 +293,8 @@ def _config_entry(key: str) -> Entry:
         return Entry(key, "config", _U, section, note, f"Set it to {field.default!r} or remove it.", meaning=meaning)
     if key in NOT_ACTED_ON:
         note = "Accepted and checked, but not acted on (smp.init warns when it is not the default)."
+        if key == "prescaled_batch":  # SMPConfig.inert_keys: no effect at tp = 1, in SMP either
+            note = "Accepted and checked; without tensor parallelism it changes nothing (nor did it in SMP): no warning."
         return Entry(key, "config", _P, section, note, _CONFIG_ADVICE.get(key, _DEFAULT_ADVICE), meaning=meaning)
     return Entry(key, "config", _S, section, meaning=meaning)
 

@@ -189,13 +189,23 @@ class SMPConfig(BaseModel):
         return _PLACEMENT_NAMED.get(self.placement_strategy, self.placement_strategy)
 
     def not_acted_on(self) -> list[str]:
-        """SMP keys the user set to a non-default value that smp_compat accepts but ignores (for one warning)."""
+        """SMP keys the user set to a non-default value that smp_compat accepts but ignores (for one warning).
+
+        Keys that SMP ignored too under this config (``prescaled_batch`` at tensor_parallel_degree 1) are left
+        out: see ``inert_keys``.
+        """
         fields = type(self).model_fields
+        inert = set(self.inert_keys())
         return sorted(
             _smp_key(name)
             for name in self.model_fields_set
             if _smp_key(name) in NOT_ACTED_ON and getattr(self, name) != fields[name].default
-        )
+            and _smp_key(name) not in inert
+        )  # fmt: skip
+
+    def inert_keys(self) -> list[str]:
+        """Keys set to a non-default value that change nothing under this config, in SMP as here."""
+        return ["prescaled_batch"] if self.prescaled_batch and self.tensor_parallel_degree == 1 else []
 
     def check_world_size(self, world_size: int) -> None:
         """Check the degrees against the number of processes, as SMP did at init."""

@@ -77,15 +77,22 @@ def apply_activation_checkpointing(model: Any) -> None:
 
 
 def _execution_rank(model: Any, module: nn.Module) -> int | None:
+    """The module's pipeline rank; None for a module without state of its own, which runs on its caller's."""
     engine = model.pipeline_engine
     return 0 if engine is None else engine.placement.rank_of_module(module)
+
+
+def _spans_ranks(model: Any, module: nn.Module) -> bool:
+    """State on more than one pipeline rank below ``module`` (a parameter-free module spans nothing)."""
+    engine = model.pipeline_engine
+    return engine is not None and engine.placement.spans_ranks(module)
 
 
 def _apply(module: nn.Module, options: _Options, model: Any) -> None:
     if getattr(module, "_smp_checkpointed", False):
         return
     if isinstance(module, nn.Sequential) and options.strategy != "each":
-        if _execution_rank(model, module) is not None:
+        if not _spans_ranks(model, module):
             _wrap_local_forward(module, _grouped_forward(module, options))
             return
         warnings.warn(f"{type(module).__name__} spans pipeline ranks: checkpointing each child instead of "
@@ -94,7 +101,7 @@ def _apply(module: nn.Module, options: _Options, model: Any) -> None:
         for child in module:
             _apply(child, options, model)
         return
-    if _execution_rank(model, module) is None:
+    if _spans_ranks(model, module):
         warnings.warn(f"{type(module).__name__} spans pipeline ranks, so it is not checkpointed (as in SMP); "
                       "checkpoint its children instead.", stacklevel=3)  # fmt: skip
         return
@@ -169,12 +176,13 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -
     if not isinstance(module, nn.Module):
         raise SMPConfigError("smp.checkpoint() takes a module (SMP does not checkpoint plain functions).")
     model = state.model
-    if model is not None and model.partitioned and _execution_rank(model, module) is None:
+    if model is not None and model.partitioned and _spans_ranks(model, module):
         raise PartitionError(
             f"smp.checkpoint() needs the whole {type(module).__name__} on one pipeline rank, but it spans ranks."
         )
     engine = model.pipeline_engine if model is not None else None
-    if engine is not None and _execution_rank(model, module) != engine.pp_rank:
+    rank = _execution_rank(model, module) if engine is not None else None
+    if rank is not None and rank != engine.pp_rank:
         with remote_checkpointing(preserve_rng_state):  # never recompute a remote call inside autograd here
             return module(*args)
     return _run_checkpointed(module, preserve_rng_state, *args)

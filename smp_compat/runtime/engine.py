@@ -21,7 +21,7 @@ from smp_compat.memory.activation_checkpointing import requested_checkpointing
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.memory.materialize import materialize_local
 from smp_compat.partitioning import PartitionPlan
-from smp_compat.runtime.dispatch import dispatching_forward, sequential_forward
+from smp_compat.runtime.dispatch import call_children, call_local, dispatching_forward, sequential_forward
 from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
@@ -87,6 +87,12 @@ class PipelineEngine(ServingSide):
         self._mb_calls: dict[int, MicrobatchCalls] = {}
         self._hosted: dict[tuple[int, int], Hosted] = {}
         self._lazy_sites: set[tuple[Any, ...]] = set()
+        self._compiler = getattr(model, "compiler", None)
+        if self._compiler is not None:
+            self._compiler.check_pipeline()
+        # a compiled model: served calls compiled too; the module is an input, so one class compiles once
+        self._call_local = self._compiler(call_local) if self._compiler is not None else call_local
+        self._call_children = self._compiler(call_children) if self._compiler is not None else call_children
         self._driving: Driver | None = None
         self._releases: dict[int, list[int]] = {}
         self._ordered = (
@@ -125,12 +131,9 @@ class PipelineEngine(ServingSide):
         kind, index = target[0], target[1]
         module = self.placement.modules[index]
         if kind == "module":
-            return module._smp_local_forward(*args, **kwargs)
-        start, stop = target[2], target[3]
+            return self._call_local(module, *args, **kwargs)
         (x,) = args
-        for child in list(module)[start:stop]:
-            x = child(x)
-        return x
+        return self._call_children(module, target[2], target[3], x)
 
     def _describe(self, target: tuple[Any, ...]) -> str:
         name = self.placement.names[target[1]] or "<root>"
@@ -156,7 +159,7 @@ class PipelineEngine(ServingSide):
         record = CallRecord(call_id, owner, ctx.microbatch, site, f"{self._describe(target)} on rank {owner} "
                             f"(microbatch {ctx.microbatch})", grad_inputs=[])  # fmt: skip
         specs, data = self._encode_inputs(calls, record, tensors, grad)
-        lazy = site in self._lazy_sites
+        lazy = site in self._lazy_sites and self._compiler is None  # compiled code takes no RemoteTensor
         meta = {
             "call": call_id, "target": target, "mb": ctx.microbatch, "grad": grad, "amp": amp_state(),
             "skeleton": skeleton, "inputs": specs, "lazy": lazy, "checkpoint": requested_checkpointing(),

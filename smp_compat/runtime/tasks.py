@@ -11,6 +11,7 @@ that another rank keeps busy.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import os
@@ -93,11 +94,13 @@ class Scheduler:
         self._torch_threads = torch.get_num_threads()
         self._idle_workers: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[queue.SimpleQueue] = []
+        self._context = contextvars.copy_context()
 
     def adopt(self, name: str) -> Task:
         """Make the calling thread (the one in the step call) the root task; it holds the baton."""
         self.root = Task(name, None, (-1,))
         self.root.started = True  # it runs in its own thread already
+        self._context = contextvars.copy_context()  # torch's configs (dynamo, inductor...) are context variables
         self.tasks.append(self.root)
         return self.root
 
@@ -163,7 +166,7 @@ class Scheduler:
         """Run a task that was just picked; returns a new task this (now free) thread runs next, if any."""
         task.resumed_at = timeline.now()
         try:
-            task.result = task.fn()  # type: ignore[misc]
+            task.result = self._context.copy().run(task.fn)  # the step caller's context, one copy per task
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this task
             task.error = exc
         task.done = True

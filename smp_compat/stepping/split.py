@@ -33,15 +33,17 @@ __all__ = ["split_step_inputs", "validate_split_options"]
 # Leaf kinds; container kinds (LIST, TUPLE, NAMEDTUPLE, MAPPING, SET = 0..4) come from step_output.
 _PLAIN, _TENSOR, _SLICEABLE, _STEP_OUTPUT, _SUSPICIOUS, _OTHER = range(10, 16)
 
-# Values that are naturally shared by every microbatch: passed through without a warning.
+# Values that are naturally shared by every microbatch: passed through without a warning. Scripts pass
+# the optimizer and smp.amp.GradScaler into the step (AWS's do); SMP warned about optimizers, we do not.
 _PLAIN_TYPES: tuple[type, ...] = (
     numbers.Number, str, bytes, type(None), type(Ellipsis), slice, range, type, enum.Enum,
     torch.device, torch.dtype, torch.layout, torch.memory_format, torch.Generator, torch.Size,
-    torch.nn.Module, argparse.Namespace,
+    torch.nn.Module, argparse.Namespace, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+    torch.amp.GradScaler,
     types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
 )
 
-# Objects SMP warns about: they usually mean the script does per-step work inside the step function.
+# Data sources SMP warns about: passing one means the script loads batches inside the step function.
 _SUSPICIOUS_TYPES: tuple[tuple[type, str], ...] = (
     (torch.utils.data.DataLoader,
      "Iterate the DataLoader outside the step function and pass each batch's tensors to it."),
@@ -49,11 +51,10 @@ _SUSPICIOUS_TYPES: tuple[tuple[type, str], ...] = (
      "Load batches outside the step function and pass each batch's tensors to it."),
     (torch.utils.data.Sampler,
      "Load batches outside the step function and pass each batch's tensors to it."),
-    (torch.optim.Optimizer,
-     "Call optimizer.zero_grad() and optimizer.step() outside the step function, once per step."),
-    (torch.optim.lr_scheduler.LRScheduler,
-     "Call scheduler.step() outside the step function, once per step."),
 )
+
+# Attributes that make an object array-like (numpy, cupy, jax...): per-sample data SMP cannot split.
+_ARRAY_PROTOCOLS = ("__array__", "__array_interface__", "__cuda_array_interface__", "__dlpack__")
 
 _KIND: dict[type, int] = {}
 _warned: set[tuple[str, type]] = set()
@@ -289,9 +290,37 @@ def _walk(value: Any, path: Path, split: bool, axis: int, n: int) -> list[Any] |
     slicer = getattr(value, "smp_slice", None)  # set on the instance rather than the class
     if slicer is not None:
         return [slicer(n, mb, axis) for mb in range(n)]
-    if split and n > 1:
+    if split and n > 1 and _may_hold_batch_data(value):
         _warn_unsplittable(cls, path)
     return None
+
+
+def _may_hold_batch_data(value: Any) -> bool:
+    """Whether splitting ``value`` was plausible: array-like, or holding tensors in its attributes (a batch
+    class). Configs, callables, scalers and other objects without tensors are clearly meant to be shared."""
+    if any(hasattr(value, name) for name in _ARRAY_PROTOCOLS):
+        return True
+    if callable(value) or _optimizer_like(value):
+        return False
+    try:
+        attributes = list(vars(value).values())
+    except TypeError:  # no __dict__ (slots or a C type)
+        attributes = [getattr(value, name, None) for name in getattr(type(value), "__slots__", ())]
+    return any(_holds_tensor(attribute) for attribute in attributes)
+
+
+def _optimizer_like(value: Any) -> bool:
+    """An optimizer wrapper (smp's fp16 optimizer, a sharded or scheduled-free one): holds tensors, shares them."""
+    return callable(getattr(value, "step", None)) and callable(getattr(value, "zero_grad", None))
+
+
+def _holds_tensor(attribute: Any) -> bool:
+    """A tensor, or a list, tuple or dict with a tensor among its items (one level deep)."""
+    if isinstance(attribute, torch.Tensor):
+        return True
+    if isinstance(attribute, Mapping):
+        return any(isinstance(item, torch.Tensor) for item in attribute.values())
+    return isinstance(attribute, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in attribute)
 
 
 def _classify(cls: type) -> int:
