@@ -1,4 +1,10 @@
-"""Tracing one forward pass: module execution order, output sizes, call counts and (optionally) times."""
+"""Tracing one forward pass: module execution order, output sizes, call counts and (optionally) times.
+
+Times from the traced pass alone are poor costs: it is the first pass (cold caches, first-call work) and
+one sample, so a pause of the process lands on whichever module was running. With ``timing_runs`` the
+root's calls are replayed that many times more (no grad, RNG and buffers restored) and each module's time
+is its smallest over the replays: interference only ever adds time.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TraceResult", "output_bytes", "trace_modules"]
+__all__ = ["TIMING_RUNS", "TraceResult", "output_bytes", "trace_modules"]
+
+TIMING_RUNS = 5  # replays of the root's calls when times are measured for the auto-partitioner
 
 
 @dataclass
@@ -105,13 +113,8 @@ class _Recorder:
             self.frames[-1][2] += elapsed
 
 
-def trace_modules(root: nn.Module, run: Callable[[], Any], measure_time: bool = False) -> TraceResult:
-    """Run ``run()`` once under ``torch.no_grad()`` with hooks on every module of ``root``.
-
-    Records the order of first calls, the output size of each module's first call, call counts, and
-    with ``measure_time`` each module's time excluding its children (summed over calls).
-    """
-    recorder = _Recorder(measure_time)
+def _hooked(root: nn.Module, recorder: _Recorder, run: Callable[[], Any]) -> None:
+    """``run()`` under ``torch.no_grad()`` with the recorder's hooks on every module of ``root``."""
     handles = []
     try:
         for name, module in root.named_modules():
@@ -122,4 +125,47 @@ def trace_modules(root: nn.Module, run: Callable[[], Any], measure_time: bool = 
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _retime(root: nn.Module, calls: list[tuple[Any, Any]], runs: int) -> dict[str, float]:
+    """Each module's smallest exclusive time over ``runs`` replays of the root's recorded calls.
+
+    The replays leave no trace: RNG states and buffers (BatchNorm statistics) are restored afterwards.
+    """
+    best: dict[str, float] = {}
+    buffers = [(b, b.detach().clone()) for b in root.buffers()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for _ in range(runs):
+                recorder = _Recorder(measure_time=True)
+                _hooked(root, recorder, lambda: [root(*args, **kwargs) for args, kwargs in calls])
+                for name, seconds in recorder.result.exclusive_time.items():
+                    best[name] = min(seconds, best.get(name, seconds))
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return best
+
+
+def trace_modules(
+    root: nn.Module, run: Callable[[], Any], measure_time: bool = False, timing_runs: int = 0
+) -> TraceResult:
+    """Run ``run()`` once under ``torch.no_grad()`` with hooks on every module of ``root``.
+
+    Records the order of first calls, the output size of each module's first call, call counts, and
+    with ``measure_time`` each module's time excluding its children (summed over calls). With
+    ``timing_runs`` > 0 too, those times come from replaying the root's calls (see the module docstring);
+    a module called only outside the root keeps its time from ``run()``.
+    """
+    recorder = _Recorder(measure_time)
+    calls: list[tuple[Any, Any]] = []
+    capture = root.register_forward_pre_hook(lambda _m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    try:
+        _hooked(root, recorder, run)
+    finally:
+        capture.remove()
+    if measure_time and timing_runs > 0 and calls:
+        recorder.result.exclusive_time.update(_retime(root, calls, timing_runs))
     return recorder.result

@@ -13,6 +13,7 @@ from smp_compat.creation import is_delayed
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import state
 from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
+from smp_compat.partitioning.trace import TIMING_RUNS
 from smp_compat.serialize import broadcast_object
 from smp_compat.stepping import tracing_call
 
@@ -36,7 +37,10 @@ def decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]
             args, kwargs = microbatches[0]
             with tracing_call(len(microbatches)) as call:
                 trace = trace_modules(
-                    root, lambda: step_fn.run_microbatch(0, args, kwargs, call), measure_time=model.trace_execution_times
+                    root,
+                    lambda: step_fn.run_microbatch(0, args, kwargs, call),
+                    measure_time=model.trace_execution_times,
+                    timing_runs=TIMING_RUNS,
                 )
             plan = auto_plan(root, trace, cfg.pipeline_parallel_degree, cfg.memory_weight)
         else:

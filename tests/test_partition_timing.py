@@ -1,0 +1,64 @@
+"""Measured times for the auto-partitioner: warm replays, not the cold traced pass (issue 14, item 3)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from smp_compat.cli_plan import parse_inputs, plan_model
+from smp_compat.partitioning import trace_modules
+
+
+class Work(nn.Module):
+    """A layer with state whose forward takes ``seconds``, and ``first`` on its first call only (first-call
+    work, or a pause of the process that happened to land on it)."""
+
+    def __init__(self, seconds: float, first: float | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seconds, self.first, self.calls = seconds, first, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(self.first if self.first is not None and self.calls == 1 else self.seconds)
+        return self.lin(x)
+
+
+def _slow_first_call() -> nn.Module:
+    return nn.Sequential(Work(0.01, first=0.25), Work(0.01), Work(0.01), Work(0.01))
+
+
+def test_a_slow_first_call_does_not_unbalance_the_plan() -> None:
+    # Four equal layers: 2 | 2. The traced pass alone saw layer 0 take 25x longer and gave it a rank alone.
+    config = {"pipeline_parallel_degree": 2, "memory_weight": 0.0}
+    result = plan_model(_slow_first_call, parse_inputs("2x4:float32"), config, measure_time=True)
+    assert result.plan.assignment == {"0.lin": 0, "1.lin": 0, "2.lin": 1, "3.lin": 1}
+    assert result.trace.exclusive_time["0"] < 0.1
+
+
+def test_replays_take_the_smallest_time_and_leave_no_trace() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), Work(0.01, first=0.2))
+    model.train()
+    x = torch.randn(8, 4)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    reference.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("3.")})
+    torch.manual_seed(1)
+    with torch.no_grad():
+        reference(x)
+    expected_rng = torch.get_rng_state()
+    torch.manual_seed(1)
+    result = trace_modules(model, lambda: model(x), measure_time=True, timing_runs=3)
+    assert 0.009 <= result.exclusive_time["3"] < 0.1  # the warm time, not the first call's 0.2 s
+    assert result.calls["3"] == 1 and model[3].calls == 4  # the trace's own records cover one pass
+    assert torch.equal(torch.get_rng_state(), expected_rng)  # the replays' dropout draws were undone
+    assert torch.equal(model[1].running_mean, reference[1].running_mean)  # as after one forward pass
+    assert model[1].num_batches_tracked.item() == 1
+
+
+def test_without_timing_runs_the_traced_pass_alone_is_timed() -> None:
+    model = _slow_first_call()
+    result = trace_modules(model, lambda: model(torch.zeros(1, 4)), measure_time=True)
+    assert result.exclusive_time["0"] >= 0.25 and model[0].calls == 1
