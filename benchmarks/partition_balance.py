@@ -41,12 +41,15 @@ from smp_compat.cli_plan import make_inputs, parse_inputs, plan_model  # noqa: E
 __all__ = ["COST_MODELS", "TARGET", "UnevenTransformer", "best_split", "main", "run"]
 
 TARGET = 1.10
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 # name -> (memory_weight, trace_execution_times, checked against TARGET)
+# "time": trace_execution_times=True (measured forward times); "count": SMP's default compute proxy, the
+# number of modules in a subtree. mw: memory_weight (0.8 is SMP's default).
 COST_MODELS: dict[str, tuple[float, bool, bool]] = {
-    "compute, traced times (mw 0)": (0.0, True, True),
-    "compute, module count (mw 0)": (0.0, False, False),
-    "SMP default (mw 0.8, count)": (0.8, False, False),
-    "mw 0.8, traced times": (0.8, True, False),
+    "time, mw 0": (0.0, True, True),
+    "count, mw 0": (0.0, False, False),
+    "count, mw 0.8 (default)": (0.8, False, False),
+    "time, mw 0.8": (0.8, True, False),
 }
 
 
@@ -128,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=9, help="timed forward + backward runs of every unit")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs of every unit first")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--clock", choices=CLOCKS, default="cpu",
+                   help="cpu: the thread's CPU time (what other processes on a busy machine cannot inflate; the "
+                   "planner's clock off CUDA); wall: elapsed time (on an idle machine)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     args = p.parse_args(argv)
     if args.repeats < 1 or any(pp < 2 for pp in args.pp):
@@ -145,11 +151,11 @@ def transformer_model(args: argparse.Namespace) -> ModelSpec:
         return UnevenTransformer(args.tf_vocab, args.tf_width, args.tf_heads, args.tf_layers, args.tf_seq)
 
     model = factory()
-    units = [Unit("embed", model.embed, "embed", ["embed"])]
+    units = [Unit("emb", model.embed, "embed", ["embed"])]
     for i, block in enumerate(model.blocks):
         state = [f"blocks.{i}.{n}".rstrip(".") for n, m in block.named_modules() if _owns_state(m)]
-        units.append(Unit(f"blocks.{i}", block, f"blocks.{i}", state))
-    units += [Unit("ln_f", model.ln_f, "ln_f", ["ln_f"]), Unit("head", model.head, "head", ["head"])]
+        units.append(Unit(f"b{i}", block, f"blocks.{i}", state))
+    units += [Unit("lnf", model.ln_f, "ln_f", ["ln_f"]), Unit("head", model.head, "head", ["head"])]
     spec = f"{args.tf_batch}x{args.tf_seq}:int64:{args.tf_vocab}"
     return factory, spec, model, units
 
@@ -162,7 +168,7 @@ def mlp_model(args: argparse.Namespace) -> ModelSpec:
     units = []
     for i in range(0, len(model), 2):  # Linear i and the ReLU after it (which runs where the Linear does)
         call = nn.Sequential(*model[i : i + 2])
-        units.append(Unit(f"linear.{i // 2}", call, str(i), [str(i)]))
+        units.append(Unit(f"L{i // 2}", call, str(i), [str(i)]))
     return factory, f"{args.batch}x{args.width}:float32", model, units
 
 
@@ -191,15 +197,16 @@ def _capture_inputs(model: nn.Module, units: list[Unit], inputs: list[torch.Tens
     return seen
 
 
-def _forward_backward(unit: Unit, args: tuple, kwargs: dict, grad: torch.Tensor | None) -> tuple[float, torch.Tensor]:
-    """Seconds for one forward + backward of the unit, as in training (grads set to None before)."""
+def _forward_backward(unit: Unit, args: tuple, kwargs: dict, clock: Callable[[], float]) -> float:
+    """Seconds for one forward + backward of the unit, as in training (grads set to None before); on CPU
+    backward runs in the calling thread, so the thread's CPU time covers it."""
     for param in unit.call.parameters():
         param.grad = None
     leaves = [a.requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
-    start = time.perf_counter()
+    start = clock()
     out = unit.call(*leaves, **kwargs)
-    out.backward(torch.ones_like(out) if grad is None else grad)
-    return time.perf_counter() - start, out
+    out.backward(torch.ones_like(out))
+    return clock() - start
 
 
 def measure_units(model: nn.Module, units: list[Unit], inputs: list[torch.Tensor], args: argparse.Namespace
@@ -212,7 +219,8 @@ def measure_units(model: nn.Module, units: list[Unit], inputs: list[torch.Tensor
     for round_ in range(args.warmup + args.repeats):
         for i, unit in enumerate(units):
             a, kw = prepared[i]
-            seconds, _ = _forward_backward(unit, tuple(x.detach() if torch.is_tensor(x) else x for x in a), kw, None)
+            leaves = tuple(x.detach() if torch.is_tensor(x) else x for x in a)
+            seconds = _forward_backward(unit, leaves, kw, CLOCKS[args.clock])
             if round_ >= args.warmup:
                 samples[i].append(1e3 * seconds)
     medians = [statistics.median(s) for s in samples]
@@ -299,34 +307,44 @@ def describe(stages: list[int], names: list[str]) -> str:
 
 
 def report(result: Result, console: Console) -> None:
+    """Per model: the measured unit times, then per pp and cost model the chosen split against the best."""
     load = ", ".join(f"{x:.1f}" for x in result.load_average)
     for model in result.models:
-        units = Table(title=f"{model.name}: measured forward + backward per unit (ms, median)")
+        units = Table(title=f"{model.name}: forward + backward per unit, ms of {result.args['clock']} time "
+                      f"(median of {result.args['repeats']})")
         for name in model.units:
             units.add_column(name, justify="right")
-        units.add_row(*(f"{ms:.2f}" for ms in model.unit_ms))
+        units.add_row(*(f"{ms:.1f}" for ms in model.unit_ms))
         units.add_row(*(f"±{s:.0%}" for s in model.unit_spread))
-        units.caption = f"second row: (max - min) / median over {result.args['repeats']} repeats; load average {load}"
+        units.caption = f"second row: (max - min) / median over the repeats. Load average (1, 5, 15 min): {load}"
         console.print(units)
         table = Table(title=f"{model.name}: chosen partition against the best contiguous split")
-        for column in ("pp", "cost model", "chosen split", "stage ms", "max / mean", "best split", "best ms",
-                       "chosen max / best max"):  # fmt: skip
-            table.add_column(column, justify="right" if column in ("pp", "max / mean", "chosen max / best max") else "left")
+        for column in ("pp", "cost model", "chosen split", "stage ms", "max/mean", "best split", "best ms",
+                       "max/mean", "chosen / best"):  # fmt: skip
+            table.add_column(column, justify="left" if "split" in column or column == "cost model" else "right")
         for case in model.cases:
-            mean = statistics.mean(case.chosen_ms)
             ratio = f"{case.ratio:.3f}"
             if case.checked:
                 ratio = f"[{'green' if case.ratio <= TARGET else 'red'}]{ratio}[/]"
             table.add_row(
-                str(case.pp), case.cost_model, describe(case.chosen, model.units),
-                " ".join(f"{ms:.1f}" for ms in case.chosen_ms), f"{max(case.chosen_ms) / mean:.3f}",
-                describe(case.best, model.units), " ".join(f"{ms:.1f}" for ms in case.best_ms), ratio,
+                str(case.pp), case.cost_model, describe(case.chosen, model.units), _ms(case.chosen_ms),
+                f"{_imbalance(case.chosen_ms):.2f}", describe(case.best, model.units), _ms(case.best_ms),
+                f"{_imbalance(case.best_ms):.2f}", ratio,
             )  # fmt: skip
+        table.caption = ("chosen / best: the chosen split's largest stage time over the best split's. time: "
+                         "trace_execution_times; count: modules per subtree; mw: memory_weight")  # fmt: skip
         console.print(table)
     verdict = "[green]meets[/green]" if result.worst_checked_ratio <= TARGET else "[red]misses[/red]"
-    console.print(f"Worst chosen max / best max for '{next(iter(COST_MODELS))}': {result.worst_checked_ratio:.3f}; "
-                  f"target <= {TARGET} ({verdict}). Other cost models are shown, not checked: memory_weight > 0 "
-                  "balances memory too, by design.")  # fmt: skip
+    console.print(f"Worst chosen / best for '{next(iter(COST_MODELS))}': {result.worst_checked_ratio:.3f}; target "
+                  f"<= {TARGET} ({verdict}). The other cost models are shown, not checked.")  # fmt: skip
+
+
+def _ms(values: list[float]) -> str:
+    return " ".join(f"{v:.0f}" for v in values)
+
+
+def _imbalance(values: list[float]) -> float:
+    return max(values) / statistics.mean(values)
 
 
 def main(argv: list[str] | None = None) -> int:

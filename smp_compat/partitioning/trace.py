@@ -1,9 +1,10 @@
 """Tracing one forward pass: module execution order, output sizes, call counts and (optionally) times.
 
 Times from the traced pass alone are poor costs: it is the first pass (cold caches, first-call work) and
-one sample, so a pause of the process lands on whichever module was running. With ``timing_runs`` the
-root's calls are replayed that many times more (no grad, RNG and buffers restored) and each module's time
-is its smallest over the replays: interference only ever adds time.
+one sample. With ``timing_runs`` the root's calls are replayed that many times more (no grad, RNG and
+buffers restored) and each module's time is its smallest over the replays: interference only ever adds
+time. Off CUDA the clock is the tracing thread's CPU time, so a pause of the process (another process
+taking the core) does not land on whichever module was running.
 """
 
 from __future__ import annotations
@@ -74,9 +75,14 @@ class _Recorder:
         self.frames: list[list[Any]] = []  # [name, start, children's time]
 
     def _now(self) -> float:
+        """Wall time after a device sync on CUDA. Else the CPU time of this thread, which runs the model:
+        a pause of the process (another process taking the core) then lands on no module, and other
+        threads' work is not counted. The thread takes its share of torch's parallel ops (and waits for
+        the rest, typically busily), so its CPU time follows the op's wall time on an idle machine."""
         if self.sync:
             torch.cuda.synchronize()
-        return time.perf_counter()
+            return time.perf_counter()
+        return time.thread_time()
 
     def pre(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
