@@ -257,7 +257,11 @@ def chosen_split(assignment: dict[str, int], units: list[Unit]) -> list[int]:
     for unit in units:
         ranks = {assignment[name] for name in unit.state}
         if len(ranks) != 1:
-            raise SystemExit(f"the plan splits unit {unit.name} over ranks {sorted(ranks)}: measure finer units")
+            raise SystemExit(
+                f"The plan cuts unit {unit.name} (ranks {sorted(ranks)}): the planner expands a subtree costing more "
+                "than half a stage's fair share, so here it may cut inside a block, finer than this benchmark's "
+                "units. Use more --tf-layers or a smaller --pp."
+            )
         stages.append(ranks.pop())
     return stages
 
