@@ -1,14 +1,15 @@
 """Auto-partition quality: the stage times of the partition smp_compat chooses against the best contiguous split.
 
 For each model and pipeline degree, the plan comes from ``smp-compat plan``'s ``plan_model`` (the planner the
-first ``@smp.step`` runs: one traced forward of microbatch 0, then ``auto_plan``), under three cost models.
-Every *unit* of the model (embedding, each transformer block, final norm, head; each Linear of the MLP with
-the ReLU after it) is then timed on its own, forward + backward, ``torch.set_num_threads(1)``, median of
-repeats taken round-robin; a stage's time is the sum over the units it holds. The best split is found by
-brute force over every contiguous cut of the same units into pp stages. Figure of merit: the chosen plan's
-largest stage time over the best split's, for the compute-balancing cost model; target <= 1.10.
+first ``@smp.step`` runs: one traced forward of microbatch 0, then ``auto_plan``), under four cost models
+(``COST_MODELS``). Every *unit* of the model (embedding, each transformer block, final norm, head; each
+Linear of the MLP with the ReLU after it) is then timed on its own, forward + backward,
+``torch.set_num_threads(1)``, median of repeats taken round-robin; a stage's time is the sum over the units
+it holds. The best split is found by brute force over every contiguous cut of the same units into pp
+stages. Figure of merit: the chosen plan's largest stage time over the best split's, for the cost model
+that balances compute (measured times, memory_weight 0); target <= 1.10.
 
-    python benchmarks/partition_balance.py [--pp 2 4 --repeats 9 --json result.json]
+    python benchmarks/partition_balance.py [--pp 2 4 --repeats 9 --clock cpu --json result.json]
 """
 
 from __future__ import annotations
@@ -197,15 +198,13 @@ def _capture_inputs(model: nn.Module, units: list[Unit], inputs: list[torch.Tens
     return seen
 
 
-def _forward_backward(unit: Unit, args: tuple, kwargs: dict, clock: Callable[[], float]) -> float:
-    """Seconds for one forward + backward of the unit, as in training (grads set to None before); on CPU
-    backward runs in the calling thread, so the thread's CPU time covers it."""
-    for param in unit.call.parameters():
-        param.grad = None
-    leaves = [a.requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
+def _forward_backward(unit: Unit, args: tuple, kwargs: dict, grad: torch.Tensor, clock: Callable[[], float]) -> float:
+    """Seconds for one forward + backward of the unit. Parameter gradients accumulate, as for every microbatch
+    of a step but the first; the output gradient is made beforehand (the next stage's work). On CPU backward
+    runs in the calling thread, so the thread's CPU time covers it."""
+    leaves = [a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
     start = clock()
-    out = unit.call(*leaves, **kwargs)
-    out.backward(torch.ones_like(out))
+    unit.call(*leaves, **kwargs).backward(grad)
     return clock() - start
 
 
@@ -213,14 +212,16 @@ def measure_units(model: nn.Module, units: list[Unit], inputs: list[torch.Tensor
                   ) -> tuple[list[float], list[float]]:  # fmt: skip
     """Median milliseconds per unit and the spread of the repeats, units taken round-robin against drift."""
     captured = _capture_inputs(model, units, inputs)
-    prepared = [(tuple(a.clone() if torch.is_tensor(a) else a for a in captured[u.capture][0]),
-                 captured[u.capture][1]) for u in units]  # fmt: skip
+    prepared = []
+    for unit in units:
+        unit_args, unit_kwargs = captured[unit.capture]
+        with torch.no_grad():
+            grad = torch.ones_like(unit.call(*unit_args, **unit_kwargs))
+        prepared.append((unit_args, unit_kwargs, grad))
     samples: list[list[float]] = [[] for _ in units]
     for round_ in range(args.warmup + args.repeats):
         for i, unit in enumerate(units):
-            a, kw = prepared[i]
-            leaves = tuple(x.detach() if torch.is_tensor(x) else x for x in a)
-            seconds = _forward_backward(unit, leaves, kw, CLOCKS[args.clock])
+            seconds = _forward_backward(unit, *prepared[i], CLOCKS[args.clock])
             if round_ >= args.warmup:
                 samples[i].append(1e3 * seconds)
     medians = [statistics.median(s) for s in samples]
@@ -288,6 +289,7 @@ def evaluate(name: str, model_spec: ModelSpec, args: argparse.Namespace) -> Mode
 
 
 def run(args: argparse.Namespace) -> Result:
+    """Both models; the load average is the larger of its values before and after (the machine's busyness)."""
     torch.set_num_threads(args.threads)
     load = list(os.getloadavg())
     models = [
