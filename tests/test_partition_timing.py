@@ -66,6 +66,21 @@ def test_replays_take_the_smallest_time_and_leave_no_trace() -> None:
     assert model[1].num_batches_tracked.item() == 1
 
 
+def test_a_forward_that_cannot_run_twice_keeps_the_traced_times(caplog: pytest.LogCaptureFixture) -> None:
+    class Once(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if getattr(self, "ran", False):
+                raise RuntimeError("called twice")
+            self.ran = True
+            return super().forward(x)
+
+    model = nn.Sequential(Once(4, 4), nn.Linear(4, 4))
+    with caplog.at_level("WARNING", logger="smp_compat"):
+        result = trace_modules(model, lambda: model(torch.zeros(1, 4)), measure_time=True, timing_runs=3)
+    assert set(result.exclusive_time) == {"", "0", "1"}
+    assert "called twice" in caplog.text and "traced pass alone" in caplog.text
+
+
 def test_without_timing_runs_the_traced_pass_alone_is_timed() -> None:
     model = _slow_first_call()
     result = trace_modules(model, lambda: model(torch.zeros(1, 4)), measure_time=True)

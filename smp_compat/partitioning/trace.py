@@ -10,6 +10,7 @@ taking the core) does not land on whichever module was running.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["TIMING_RUNS", "TraceResult", "output_bytes", "trace_modules"]
 
 TIMING_RUNS = 5  # replays of the root's calls when times are measured for the auto-partitioner
+
+log = logging.getLogger("smp_compat")
 
 
 @dataclass
@@ -163,7 +166,8 @@ def trace_modules(
     Records the order of first calls, the output size of each module's first call, call counts, and
     with ``measure_time`` each module's time excluding its children (summed over calls). With
     ``timing_runs`` > 0 too, those times come from replaying the root's calls (see the module docstring);
-    a module called only outside the root keeps its time from ``run()``.
+    a module called only outside the root keeps its time from ``run()``, and so does every module when a
+    replay raises (logged as a warning). Replays run the model's forward and its hooks again.
     """
     recorder = _Recorder(measure_time)
     calls: list[tuple[Any, Any]] = []
@@ -173,5 +177,9 @@ def trace_modules(
     finally:
         capture.remove()
     if measure_time and timing_runs > 0 and calls:
-        recorder.result.exclusive_time.update(_retime(root, calls, timing_runs))
+        try:
+            recorder.result.exclusive_time.update(_retime(root, calls, timing_runs))
+        except Exception as exc:  # noqa: BLE001 - the traced pass ran; a forward that cannot run twice keeps its times
+            log.warning("auto-partition: replaying the traced forward pass to time modules failed (%s: %s); "
+                        "using the times of the traced pass alone", type(exc).__name__, exc)  # fmt: skip
     return recorder.result
