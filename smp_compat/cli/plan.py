@@ -29,7 +29,7 @@ from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import state
 from smp_compat.partitioning import PartitionPlan, auto_plan, clear_records, manual_plan, trace_modules, validate_plan
 from smp_compat.partitioning.plan import human_bytes
-from smp_compat.partitioning.trace import TraceResult
+from smp_compat.partitioning.trace import TIMING_RUNS, TraceResult
 from smp_compat.topology import Topology
 
 __all__ = [
@@ -271,7 +271,7 @@ def plan_model(
         model = _build(factory, factory_kwargs or {})
         inputs = make_inputs(specs, cfg.microbatches)
         model.eval()  # the trace is a shape-and-cost probe: no dropout noise, no BatchNorm statistics update
-        trace = trace_modules(model, lambda: model(*inputs), measure_time=measure_time)
+        trace = trace_modules(model, lambda: model(*inputs), measure_time=measure_time, timing_runs=TIMING_RUNS)
         auto = auto_plan(model, trace, cfg.pipeline_parallel_degree, cfg.memory_weight)
         if cfg.auto_partition:
             plan = auto

@@ -15,6 +15,7 @@ from smp_compat.globalstate import state
 from smp_compat.partitioning import PartitionPlan, TraceResult, auto_plan, manual_plan, trace_modules, validate_plan
 from smp_compat.comm import broadcast_object
 from smp_compat.stepping.step import tracing_call
+from smp_compat.partitioning.trace import TIMING_RUNS
 
 __all__ = ["decide_plan", "render_plan"]
 
@@ -36,7 +37,10 @@ def decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]
             args, kwargs = microbatches[0]
             with tracing_call(len(microbatches)) as call:
                 trace = trace_modules(
-                    root, lambda: step_fn.run_microbatch(0, args, kwargs, call), measure_time=model.trace_execution_times
+                    root,
+                    lambda: step_fn.run_microbatch(0, args, kwargs, call),
+                    measure_time=model.trace_execution_times,
+                    timing_runs=TIMING_RUNS,
                 )
             plan = auto_plan(root, trace, cfg.pipeline_parallel_degree, cfg.memory_weight)
         else:

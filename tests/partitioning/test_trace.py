@@ -92,8 +92,15 @@ def test_a_tensor_repeated_in_an_output_counts_once() -> None:
     assert output_bytes((t, t, {"again": t})) == 40
 
 
+def spin(seconds: float) -> None:
+    """Busy for ``seconds`` of this thread's CPU time (the trace's clock off CUDA)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 class Sleeper(nn.Module):
-    """Sleeps for ``seconds`` in its own code, then calls its children."""
+    """Busy for ``seconds`` in its own code, then calls its children."""
 
     def __init__(self, seconds: float, *children: nn.Module) -> None:
         super().__init__()
@@ -101,7 +108,7 @@ class Sleeper(nn.Module):
         self.kids = nn.ModuleList(children)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
+        spin(self.seconds)
         for kid in self.kids:
             x = kid(x)
         return x
