@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from smp_compat.cli_plan import parse_inputs, plan_model
+from smp_compat.cli.plan import parse_inputs, plan_model
 from smp_compat.partitioning import trace_modules
 
 
