@@ -254,14 +254,14 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         "tensor_parallel_seed",
         "optimize",
     }
-    | {key for key in SMP_KEYS if key.startswith("sdp_")}
+    | {"sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters",
+       "sdp_hierarchical_allgather"}  # FSDP2 has no such knob: see docs/differences.md
     | _INTERNAL_KEYS
 )
 """SMP keys accepted but not implemented yet; smp.init warns once about those set to a non-default value."""
 
 UNSUPPORTED: dict[str, str] = {
     "tensor_parallel_degree": "tensor parallelism",
-    "sharded_data_parallel_degree": "sharded data parallelism",
 }
 """SMP keys whose non-default value asks for a feature smp_compat lacks: resolve_config raises SMPUnsupportedError."""
 
@@ -342,12 +342,11 @@ def _precision_problems(cfg: SMPConfig) -> list[str]:
 
 
 def _sdp_problems(cfg: SMPConfig) -> list[str]:
-    """Sharded data parallelism excludes tensor and pipeline parallelism and optimizer-state sharding."""
+    """Sharded data parallelism excludes pipeline parallelism and optimizer-state sharding (SMP 1.11-1.15)."""
     sdp = cfg.sharded_data_parallel_degree
     if sdp == 1:
         return []
     clashes = [
-        ("tensor_parallel_degree", cfg.tensor_parallel_degree, cfg.tensor_parallel_degree != 1, 1),
         ("pipeline_parallel_degree", cfg.pipeline_parallel_degree, cfg.pipeline_parallel_degree != 1, 1),
         ("shard_optimizer_state", cfg.shard_optimizer_state, cfg.shard_optimizer_state, False),
     ]
@@ -388,6 +387,12 @@ def _world_size_problem(cfg: SMPConfig, world: int) -> str | None:
         return (
             f"{degrees} must divide the world size ({world}); launch a multiple of {pp * tp} processes "
             f"or choose degrees whose product divides {world}."
+        )
+    sdp, dp = cfg.sharded_data_parallel_degree, world // (pp * tp)
+    if sdp > 1 and dp % sdp:
+        return (
+            f"sharded_data_parallel_degree ({sdp}) must divide the data-parallel degree ({dp} = world size {world} "
+            f"/ {degrees}); choose a divisor of {dp}, as SMP requires."
         )
     if world > pp * tp and not cfg.ddp:
         return (
@@ -564,6 +569,12 @@ def _is_non_default(value: Any, default: Any) -> bool:
 
 def _check_unsupported(params: Mapping[str, Any]) -> None:
     """Refuse features we lack before the cross-key rules, so the user hears the real obstacle first."""
+    sdp, tp = params.get("sharded_data_parallel_degree", 1), params.get("tensor_parallel_degree", 1)
+    if isinstance(sdp, int) and isinstance(tp, int) and sdp > 1 and tp > 1:
+        raise SMPUnsupportedError(
+            f"sharded_data_parallel_degree={sdp} with tensor_parallel_degree={tp} (SMP 1.15's sharded data "
+            "parallelism over the reduced-data-parallel group) is not implemented yet; use one of the two."
+        )
     for key, feature in UNSUPPORTED.items():
         default = SMPConfig.model_fields[_FIELD_BY_KEY[key]].default
         if key in params and _is_non_default(params[key], default):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from smp_compat import grads, state_dicts
+from smp_compat import grads, sdp, state_dicts
 from smp_compat.checkpointing import apply_activation_checkpointing
 from smp_compat.creation import materialize_local
 from smp_compat.errors import (
@@ -26,7 +26,7 @@ from smp_compat.errors import (
     StepUsageError,
 )
 from smp_compat.globalstate import process_group, state
-from smp_compat.stepping import active_call, in_step, is_tracing
+from smp_compat.stepping import active_call, current_microbatch, in_step, is_tracing
 
 __all__ = ["DistributedModel"]
 
@@ -76,7 +76,10 @@ class DistributedModel(nn.Module):
         self._pending_state_dict: Any = None  # a load waiting for partitioning (state_dicts.py)
         self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
+        self._sdp_units: list[nn.Module] | None = None
         state.model = self
+        if sdp.enabled():
+            self._shard()
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -107,6 +110,8 @@ class DistributedModel(nn.Module):
         if is_tracing():
             return
         tensors, grad_tensors = self._scaled_seeds(tensors, grad_tensors)
+        if self._sdp_units is not None:
+            self._set_gradient_sync()
         self._backward_ran = True
         if self.pipeline_engine is not None:
             self.pipeline_engine.backward(tensors, grad_tensors)
@@ -129,6 +134,22 @@ class DistributedModel(nn.Module):
             grad_tensors = [g.float() * scale for g in grad_tensors]
         return tensors, grad_tensors
 
+    # ------------------------------------------------------------------ sharded data parallelism
+    def _shard(self) -> None:
+        """sdp > 1: shard now (scripts build parameter groups right after wrapping), as SMP did."""
+        from smp_compat.sdp.state_dicts import attach_ds_views
+        from smp_compat.sdp.wrap import shard_module
+
+        self._sdp_units = shard_module(self.module, self.broadcast_buffers)
+        attach_ds_views(self.module)
+
+    def _set_gradient_sync(self) -> None:
+        """Reduce gradients only in the last backward before an optimizer step (SMP's accumulation)."""
+        call = active_call()
+        last_mb = call is None or current_microbatch() in (None, call.num_microbatches - 1)
+        boundary = (self._steps_with_backward + 1) % self.backward_passes_per_step == 0
+        self.module.set_requires_gradient_sync(last_mb and boundary)  # type: ignore[operator]
+
     # ------------------------------------------------------------------ step life cycle
     def runs_step_body(self) -> bool:
         """Only pp_rank 0 runs the step body; the other stages serve module calls."""
@@ -144,13 +165,14 @@ class DistributedModel(nn.Module):
             from smp_compat.runtime.engine import PipelineEngine
 
             self.pipeline_engine = PipelineEngine.create(self, step_fn, microbatches)
-        else:
+        elif self._sdp_units is None:  # sharded data parallelism placed the model at wrapping
             materialize_local(list(self.module.modules()), state.device)
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
         state_dicts.apply_pending_model_loads(self)  # before fp16 masters are copied from the weights
-        self._sync_replicas()
+        if self._sdp_units is None:  # FSDP made the shards from dp rank 0's values
+            self._sync_replicas()
         for action in self._partition_actions:
             action(self)
         state_dicts.apply_pending_optimizer_loads()  # after masters and sharding exist
@@ -181,7 +203,7 @@ class DistributedModel(nn.Module):
                 hook(self, state.optimizer)
 
     def _average_gradients(self) -> None:
-        if state.topology.dp_size == 1:
+        if state.topology.dp_size == 1 or self._sdp_units is not None:  # FSDP reduced them in backward
             return
         params = [p for p in self.local_parameters() if p.requires_grad]
         grads.average_gradients(params, process_group("dp"), state.topology.dp_size, self.bucket_cap_mb)
@@ -308,12 +330,23 @@ class DistributedModel(nn.Module):
         Collective over the pipeline group once partitioned: call it on every rank of the group.
         With ``gather_to_rank0`` only pp_rank 0 gets the dict; the other pipeline ranks get ``{}``.
         """
+        if self._sdp_units is not None:
+            from smp_compat.sdp.state_dicts import full_model_state_dict
+
+            return full_model_state_dict(self, cast_to_cpu)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars, cast_to_cpu, gather_to_rank0)
 
     def local_state_dict(
         self, destination: Any = None, prefix: str = "", keep_vars: bool = False, **_: Any
     ) -> dict[str, Any]:
-        """This rank's entries, marked ``_smp_is_partial`` with ``_smp_load_info`` (degrees and partition)."""
+        """This rank's entries, marked ``_smp_is_partial`` with ``_smp_load_info`` (degrees and partition).
+
+        Under sharded data parallelism: the sharded form (DTensors holding this rank's shards).
+        """
+        if self._sdp_units is not None:
+            from smp_compat.sdp.state_dicts import sharded_model_state_dict
+
+            return sharded_model_state_dict(self)
         return state_dicts.model_local_state_dict(self, destination, prefix, keep_vars)
 
     def load_state_dict(  # type: ignore[override]
@@ -325,6 +358,10 @@ class DistributedModel(nn.Module):
         **_: Any,
     ) -> Any:
         """Load a full, partial or plain PyTorch dict; before partitioning the copy waits for it (as in SMP)."""
+        if self._sdp_units is not None:  # already sharded: load now, collectively
+            from smp_compat.sdp.state_dicts import load_model_state_dict
+
+            return load_model_state_dict(self, state_dict, strict, translate_function)
         return state_dicts.load_model_state(self, state_dict, strict, translate_function, same_partition_load)
 
 

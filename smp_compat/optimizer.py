@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from smp_compat import state_dicts
+from smp_compat import sdp, state_dicts
 from smp_compat.errors import CheckpointError, DistributedModelNotCreatedError, ParameterOwnershipError
 from smp_compat.fp16 import FP16Optimizer, LossScaler
 from smp_compat.globalstate import state
@@ -37,6 +37,13 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
         warnings.warn(
             "static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored.", stacklevel=2
         )
+    if sdp.enabled():
+        from smp_compat.sdp.optimizer import ShardedOptimizer
+
+        scaler = LossScaler.create(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) if state.cfg.fp16 else None
+        state.optimizer = ShardedOptimizer(optimizer, model, scaler)
+        state_dicts.attach_queued_optimizer_load(state.optimizer)  # type: ignore[arg-type]
+        return state.optimizer  # type: ignore[return-value]
     _patch(optimizer)
     if state.cfg.shard_optimizer_state:
         model.after_partition(OptimizerSharding(optimizer).apply)
