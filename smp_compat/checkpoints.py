@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from smp_compat import state_dicts
+from smp_compat import sdp, state_dicts
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
 from smp_compat.serialization import atomic_save, atomic_write, fsync_dir, safe_load
@@ -212,6 +212,18 @@ def staging_folder(root: Path, name: str) -> Path:
 
 
 def _write_rank_files(staging: Path, tag: str, model: Any, optimizer: Any, user_content: Any) -> None:
+    if sdp.enabled():  # every rank writes its shards (DCP), whatever its replica
+        from smp_compat.sdp.checkpoint import write_sharded
+
+        write_sharded(staging, model, optimizer)
+    else:
+        _write_part_files(staging, model, optimizer)
+    if state.rank == 0:
+        atomic_save(user_content, staging / USER_CONTENT_FILE)
+        atomic_save(_config_record(tag, model), staging / CONFIG_FILE)
+
+
+def _write_part_files(staging: Path, model: Any, optimizer: Any) -> None:
     coords = state.topology.coords(state.rank)
     pp, tp = coords.pp_rank, coords.tp_rank
     if model is not None and _writes_model_parts():
@@ -224,9 +236,6 @@ def _write_rank_files(staging: Path, tag: str, model: Any, optimizer: Any, user_
         fp16_states = getattr(optimizer, "local_fp16_state_dict", None)
         if callable(fp16_states) and _writes_model_parts():
             atomic_save(fp16_states(), staging / fp16_file(pp, tp))
-    if state.rank == 0:
-        atomic_save(user_content, staging / USER_CONTENT_FILE)
-        atomic_save(_config_record(tag, model), staging / CONFIG_FILE)
 
 
 def _config_record(tag: str, model: Any) -> dict[str, Any]:
@@ -247,6 +256,7 @@ def _config_record(tag: str, model: Any) -> dict[str, Any]:
         "pipeline_parallel_degree": topo.pp_size,
         "tensor_parallel_degree": topo.tp_size,
         "dp_size": topo.dp_size,
+        "sharded_data_parallel_degree": state.cfg.sharded_data_parallel_degree,
         "partition": partition,
     }
 
@@ -316,7 +326,7 @@ def _save_full(root: Path, tag: str, model: Any, optimizer: Any, user_content: A
     full = None
     error = None
     try:
-        if model is not None and state.topology.coords(state.rank).dp_rank == 0:
+        if model is not None and (sdp.enabled() or state.topology.coords(state.rank).dp_rank == 0):
             full = model.state_dict(gather_to_rank0=True)
             if not translate:
                 full[state_dicts.PARTIAL_KEY] = False
@@ -366,14 +376,18 @@ def _backup_of(root: Path, name: str) -> Path | None:
     return None
 
 
-def check_saved_config(saved: Any, where: str) -> None:
-    """Degrees that decide the parts must match this job; other differences only warn (as SMP)."""
+def check_saved_config(saved: Any, where: str, resharding: bool = False) -> None:
+    """Degrees that decide the parts must match this job; other differences only warn (as SMP).
+
+    ``resharding``: a sharded (DCP) checkpoint, which loads at any sharded_data_parallel_degree.
+    """
     if not isinstance(saved, Mapping):
         return
     values = dict(saved.get("config") or {})
     values.update({k: saved[k] for k in _MUST_MATCH if k in saved})
     current = state.cfg.to_dict()
-    bad = [k for k in _MUST_MATCH if k in values and values[k] != current.get(k)]
+    must_match = [k for k in _MUST_MATCH if not (resharding and k == "sharded_data_parallel_degree")]
+    bad = [k for k in must_match if k in values and values[k] != current.get(k)]
     if bad:
         changes = ", ".join(f"{k}: saved {values[k]!r}, now {current.get(k)!r}" for k in bad)
         raise CheckpointError(
@@ -436,8 +450,15 @@ def _load(file: Path, weights_only: bool) -> Any:
 def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool) -> Any:
     folder = checkpoint_folder(path, tag)
     config = folder / CONFIG_FILE
+    from smp_compat.sdp.checkpoint import is_sharded_checkpoint, load_sharded
+
+    sharded = is_sharded_checkpoint(folder)
     if config.is_file():
-        check_saved_config(_load(config, weights_only), str(folder))
+        check_saved_config(_load(config, weights_only), str(folder), resharding=sharded)
+    if sharded:
+        load_sharded(folder, load_optimizer, strict, weights_only)
+        content = folder / USER_CONTENT_FILE
+        return _load(content, weights_only) if content.is_file() else None
     coords = state.topology.coords(state.rank)
     pp, tp = coords.pp_rank, coords.tp_rank
     model_sd = _load(folder / model_file(pp, tp), weights_only) if _check_parts(folder) else None
