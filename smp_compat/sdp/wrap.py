@@ -88,7 +88,7 @@ def mixed_precision() -> MixedPrecisionPolicy:
     cfg = state.cfg
     if cfg.fp16 or cfg.bf16:
         dtype = torch.float16 if cfg.fp16 else torch.bfloat16
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # outputs: DistributedModel.forward
     return MixedPrecisionPolicy()
 
 
