@@ -83,9 +83,13 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("StepOutput", _S, "", ""),
     ]),
     ("Model and optimizer", [
-        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented).", ""),
+        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented). With "
+         "sharded_data_parallel_degree > 1 it shards the model with FSDP2 when called, as SMP did.", ""),
         ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
-         "with fp32 master weights and loss scaling, as SMP.", ""),
+         "with fp32 master weights and loss scaling, as SMP. Under sharded data parallelism, a wrapper that clips "
+         "to sdp_gradient_clipping inside step() and sets _global_grad_norm, as SMP.", ""),
+        ("register_parameter", _S, "Sharded data parallelism: keeps the module and the parameter it borrows in one "
+         "FSDP2 unit; call it before smp.DistributedModel (a no-op without sharding).", ""),
     ]),
     ("Partitioning", [
         ("partition", _S, "", ""),
@@ -203,9 +207,11 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         ("local_optimizer_state_dict", _S, "", ""),
         ("load_state_dict", _S, "Full or partial dicts.", ""),
         ("load_local_optimizer_state_dict", _S, "", ""),
-        ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper), as in SMP.",
+        ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper) or sharded data "
+         "parallelism, as in SMP.",
          "In fp32 use torch.nn.utils.clip_grad_norm_; with pp > 1 all-reduce the norm over the stages."),
-        ("optimizer", _P, "The wrapped torch optimizer; exists only with fp16 or bf16 on, as in SMP.",
+        ("optimizer", _P, "The wrapped torch optimizer; exists only with fp16 or bf16 on or sharded data "
+         "parallelism, as in SMP.",
          "In fp32 the returned optimizer is the torch optimizer itself."),
     ]),
     ("StepOutput", [

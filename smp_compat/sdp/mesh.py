@@ -16,7 +16,7 @@ from smp_compat.globalstate import state
 
 __all__ = ["build_mesh", "shard_dim_mesh"]
 
-_cache: dict[tuple[int, int, str], DeviceMesh] = {}
+_cache: dict[tuple[int, int, int, str], DeviceMesh] = {}
 
 
 def build_mesh() -> DeviceMesh:
@@ -29,7 +29,7 @@ def build_mesh() -> DeviceMesh:
             f"sharded_data_parallel_degree ({sdp}) must divide the data-parallel degree ({len(members)}); "
             f"choose a divisor of {len(members)}."
         )
-    key = (len(members), sdp, state.device.type)
+    key = (id(state.launch), len(members), sdp, state.device.type)  # a new smp.init gets new groups
     if key not in _cache:
         reps = len(members) // sdp
         ranks = torch.tensor(members, dtype=torch.int64)

@@ -19,22 +19,33 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from smp_compat import grads
 from smp_compat.creation import materialize_local
+from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import process_group, state
 from smp_compat.sdp.mesh import build_mesh
 
-__all__ = ["shard_module", "choose_units", "registered_pairs"]
+__all__ = ["shard_module", "choose_units", "registered_pairs", "register_parameter"]
 
-_registered: list[tuple[nn.Module, nn.Parameter]] = []
+_registered: list[tuple[Any, nn.Module, nn.Parameter]] = []  # (launch, module, parameter)
 
 
 def registered_pairs() -> list[tuple[nn.Module, nn.Parameter]]:
-    """``smp.register_parameter(module, p)`` calls so far: ``module`` uses ``p`` owned elsewhere."""
-    return list(_registered)
+    """``smp.register_parameter(module, p)`` calls of this job: ``module`` uses ``p`` owned elsewhere."""
+    return [(m, p) for launch, m, p in _registered if launch is state.launch]
 
 
 def register_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """SMP 1.15: ``module``'s forward uses ``parameter`` owned by another module; keep them in one unit."""
-    _registered.append((module, parameter))
+    """SMP 1.15: ``module``'s forward uses ``parameter``, owned by another module; keep them in one unit.
+
+    Call it before ``smp.DistributedModel(...)``, which shards. Without sharded DP it changes nothing.
+    """
+    if not isinstance(module, nn.Module) or not isinstance(parameter, torch.Tensor):
+        raise TypeError("smp.register_parameter(module, parameter) takes an nn.Module and one of the model's parameters.")
+    if state.initialized and state.model is not None and getattr(state.model, "_sdp_units", None) is not None:
+        raise StepUsageError(
+            "smp.register_parameter() was called after smp.DistributedModel(...), which already sharded the model; "
+            "call it before wrapping, as SMP's sharded data parallelism requires."
+        )
+    _registered.append((state.launch if state.initialized else None, module, parameter))
 
 
 def choose_units(root: nn.Module) -> list[nn.Module]:
@@ -45,12 +56,13 @@ def choose_units(root: nn.Module) -> list[nn.Module]:
         for p in unit.parameters():
             owners.setdefault(id(p), []).append(unit)
     outside = _params_outside(root, candidates)
-    extra = {id(p): m for m, p in _registered}
+    pairs = registered_pairs()
+    extra = {id(p): m for m, p in pairs}
     return [
         u for u in candidates
         if all(len(owners[id(p)]) == 1 and id(p) not in outside for p in u.parameters())
         and not any(id(p) in extra and not _contains(u, extra[id(p)]) for p in u.parameters())
-        and not any(_contains(u, m) and not _owns(u, p) for m, p in _registered)
+        and not any(_contains(u, m) and not _owns(u, p) for m, p in pairs)
     ]  # fmt: skip
 
 
