@@ -439,7 +439,7 @@ def resume_from_checkpoint(
     if load_optimizer_states is not None:  # SMP 1.10's name
         load_optimizer = load_optimizer_states
     if partial:
-        return _resume_partial(path, tag, strict, load_optimizer, weights_only)
+        return _resume_partial(path, tag, strict, load_optimizer, weights_only, load_sharded_optimizer_state)
     return _resume_full(path, tag, strict, translate_function, weights_only)
 
 
@@ -447,7 +447,9 @@ def _load(file: Path, weights_only: bool) -> Any:
     return safe_load(file, map_location="cpu", weights_only=weights_only)
 
 
-def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool) -> Any:
+def _resume_partial(
+    path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool, load_moments: bool = True
+) -> Any:
     folder = checkpoint_folder(path, tag)
     config = folder / CONFIG_FILE
     from smp_compat.sdp.checkpoint import is_sharded_checkpoint, load_sharded
@@ -456,7 +458,7 @@ def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bo
     if config.is_file():
         check_saved_config(_load(config, weights_only), str(folder), resharding=sharded)
     if sharded:
-        load_sharded(folder, load_optimizer, strict, weights_only)
+        load_sharded(folder, load_optimizer, strict, weights_only, load_sharded_optimizer_state=load_moments)
         content = folder / USER_CONTENT_FILE
         return _load(content, weights_only) if content.is_file() else None
     coords = state.topology.coords(state.rank)

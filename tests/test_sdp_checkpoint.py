@@ -103,3 +103,16 @@ def _local_shapes(sdp: int) -> dict:
 def test_local_state_dict_holds_this_ranks_shards() -> None:
     shapes = run_ranks(_local_shapes, 2, 2, timeout=120)[0]
     assert shapes["blocks.0.mlp.0.weight"] == (32, 16)  # (64, 16) split over 2 ranks on dim 0
+
+
+def _resume_weights_only(sdp: int, directory: str) -> tuple[dict, int]:
+    smp, model, opt = init_sdp(sdp)
+    smp.resume_from_checkpoint(directory, load_sharded_optimizer_state=False)
+    return model.state_dict(), len(opt.state)
+
+
+def test_load_sharded_optimizer_state_false_restores_weights_but_not_moments(tmp_path: Path) -> None:
+    saved = run_ranks(_save_then_continue, 2, 2, str(tmp_path), timeout=180)[0][0]
+    for weights, states in run_ranks(_resume_weights_only, 2, 2, str(tmp_path), timeout=180):
+        assert states == 0
+        assert all(torch.equal(weights[k], v) for k, v in saved.items())

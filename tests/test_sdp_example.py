@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import test_launch_e2e
 from test_launch_e2e import ROOT, _clean_env, _free_port, _run_all, _smp_compat_command
 
 SCRIPT = ROOT / "examples" / "train_gpt_sdp.py"
@@ -55,7 +56,8 @@ def _launch(tmp_path: Path, *extra: str) -> None:
     _run_all([(cmd, _clean_env())], tmp_path)
 
 
-def test_gpt_sdp_example_matches_plain_pytorch_and_resumes_bitwise(tmp_path: Path) -> None:
+def test_gpt_sdp_example_matches_plain_pytorch_and_resumes_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_launch_e2e, "TIMEOUT_S", 300)  # three jobs importing transformers on a loaded machine
     whole = tmp_path / "whole"
     whole.mkdir()
     _launch(whole, "--out", str(whole / "result.pt"))

@@ -156,3 +156,33 @@ def test_optimizer_api_and_deepspeed_views_aws_scripts_read() -> None:
         assert r["flat"] and r["shapes"] and r["refused"] and r["zeroed"] and r["none"] and r["groups"]
         assert r["inner"] == "AdamW" and r["shard_group_size"] == 2
         assert r["norm"] > 1e-3 and r["clipped"] == pytest.approx(1e-3, rel=1e-3)  # returns the norm; clipped to it
+
+
+def _grad_scaler_overflow_on_one_shard(sdp: int) -> dict:
+    from models import causal_mask, lm_loss, make_batches
+
+    smp, model, opt = init_sdp(sdp)
+    scaler = smp.amp.GradScaler(init_scale=2.0**8)
+    mask = causal_mask(8)
+
+    @smp.step
+    def step(model, x, y):  # type: ignore[no-untyped-def]
+        loss = lm_loss(model(x, attention_mask=mask), y)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    x, y = make_batches(1, 16)[0]
+    lo = smp.dp_rank() * 8
+    step(model, x[lo : lo + 8], y[lo : lo + 8])
+    if smp.rank() == 1:  # only this rank's shard overflows: every rank must still skip
+        next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler.step(opt)
+    scaler.update()
+    after = model.state_dict()
+    return {"scale": scaler.get_scale(), "same": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_smp_amp_grad_scaler_agrees_on_an_overflow_seen_by_one_shard() -> None:
+    for result in run_ranks(_grad_scaler_overflow_on_one_shard, 2, 2, timeout=120):
+        assert result == {"scale": 128.0, "same": True}

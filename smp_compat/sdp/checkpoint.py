@@ -61,8 +61,14 @@ def write_sharded(staging: Path, model: Any, optimizer: Any) -> None:
         atomic_save(fp16_states(), Path(staging) / FP16_STATES)
 
 
-def load_sharded(folder: Path, load_optimizer: bool, strict: bool, weights_only: bool) -> None:
-    """Every rank: read the shards this job's layout needs (any saved sdp degree) into model and optimizer."""
+def load_sharded(
+    folder: Path, load_optimizer: bool, strict: bool, weights_only: bool, load_sharded_optimizer_state: bool = True
+) -> None:
+    """Every rank: read the shards this job's layout needs (any saved sdp degree) into model and optimizer.
+
+    ``load_sharded_optimizer_state=False`` (SMP's sharded-DP option) restores the weights and the fp16
+    loss-scaler state but not the optimizer's moments.
+    """
     model, optimizer = state.model, state.optimizer
     if model is None or getattr(model, "_sdp_units", None) is None:
         raise CheckpointError(
@@ -77,12 +83,14 @@ def load_sharded(folder: Path, load_optimizer: bool, strict: bool, weights_only:
         )
     content: dict[str, Any] = {"model": get_model_state_dict(model.module)}
     inner = _optimizer_of(optimizer)
-    if load_optimizer:
+    moments = load_optimizer and load_sharded_optimizer_state
+    if moments:
         content["optim"] = get_optimizer_state_dict(model.module, inner)
     dcp.load(content, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(model.module, content["model"])
-    if load_optimizer:
+    if moments:
         set_optimizer_state_dict(model.module, inner, content["optim"])
+    if load_optimizer:
         fp16 = Path(folder) / FP16_STATES
         load_fp16 = getattr(optimizer, "load_local_fp16_state_dict", None)
         if fp16.is_file() and callable(load_fp16):
