@@ -259,6 +259,11 @@ _CONFIG_ADVICE: dict[str, str] = {
     "optimize": "Nothing to do: it only tuned SMP's tensor-parallel layers.",
     "skip_tracing": "Nothing to do: the partitioner still traces at pp > 1.",
     "horovod": "Remove it and use ddp: True for data parallelism.",
+    "sdp_reduce_bucket_size": "Nothing to do: FSDP2 reduce-scatters each block's gradients in one collective.",
+    "sdp_param_persistence_threshold": "Nothing to do: every parameter is sharded; FSDP2 gathers a block's "
+    "parameters in one collective, so small tensors add no latency.",
+    "sdp_max_live_parameters": "Nothing to do: FSDP2 keeps the current and the next block gathered (no cap).",
+    "sdp_hierarchical_allgather": "Nothing to do: FSDP2 has no hierarchical all-gather (NCCL picks its algorithm).",
 }
 _DEFAULT_ADVICE = "Nothing to do: the key is accepted and has no effect here."
 
