@@ -144,11 +144,13 @@ class DistributedModel(nn.Module):
         attach_ds_views(self.module)
 
     def _set_gradient_sync(self) -> None:
-        """Reduce gradients only in the last backward before an optimizer step (SMP's accumulation)."""
+        """SMP's accumulation: reduce-scatter in every backward (gradients stay sharded), all-reduce across
+        replicas of the sharding group only in the last backward before an optimizer step."""
         call = active_call()
         last_mb = call is None or current_microbatch() in (None, call.num_microbatches - 1)
         boundary = (self._steps_with_backward + 1) % self.backward_passes_per_step == 0
-        self.module.set_requires_gradient_sync(last_mb and boundary)  # type: ignore[operator]
+        self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        self.module.set_requires_all_reduce(last_mb and boundary)  # type: ignore[operator]
 
     # ------------------------------------------------------------------ step life cycle
     def runs_step_body(self) -> bool:

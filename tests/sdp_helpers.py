@@ -55,14 +55,15 @@ def train(smp: Any, model: Any, opt: Any, steps: int = STEPS, start: int = 0) ->
 
 
 def assert_close_to(reference_result: tuple[list[float], dict, list[float]], losses: list[float], params: dict,
-                    norms: list[float] | None = None, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+                    norms: list[float] | None = None, rtol: float = 1e-5, atol: float = 1e-6,
+                    param_atol: float | None = None) -> None:
     ref_losses, ref_params, ref_norms = reference_result
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol)
     if norms is not None:
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=rtol, atol=atol)
     assert params.keys() == ref_params.keys()
     for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], value, rtol=rtol, atol=param_atol or atol, msg=lambda m: f"{name}: {m}")
 
 
 __all__ = ["STEPS", "GLOBAL_BATCH", "reference", "init_sdp", "train", "assert_close_to", "train_smp"]
