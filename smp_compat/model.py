@@ -77,6 +77,7 @@ class DistributedModel(nn.Module):
         self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
         self._sdp_units: list[nn.Module] | None = None
+        self._sdp_all_reduce = True  # FSDP2's default
         state.model = self
         if sdp.enabled():
             self._shard()
@@ -149,8 +150,10 @@ class DistributedModel(nn.Module):
         call = active_call()
         last_mb = call is None or current_microbatch() in (None, call.num_microbatches - 1)
         boundary = (self._steps_with_backward + 1) % self.backward_passes_per_step == 0
-        self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
-        self.module.set_requires_all_reduce(last_mb and boundary)  # type: ignore[operator]
+        all_reduce = last_mb and boundary
+        if all_reduce != self._sdp_all_reduce:  # the setters walk every module: only on a change
+            self.module.set_requires_all_reduce(all_reduce)  # type: ignore[operator]
+            self._sdp_all_reduce = all_reduce
 
     # ------------------------------------------------------------------ step life cycle
     def runs_step_body(self) -> bool:

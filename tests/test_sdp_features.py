@@ -186,3 +186,28 @@ def _grad_scaler_overflow_on_one_shard(sdp: int) -> dict:
 def test_smp_amp_grad_scaler_agrees_on_an_overflow_seen_by_one_shard() -> None:
     for result in run_ranks(_grad_scaler_overflow_on_one_shard, 2, 2, timeout=120):
         assert result == {"scale": 128.0, "same": True}
+
+
+def _mixed_norm(sdp: int) -> list[float]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from smp_compat.sdp.mesh import build_mesh
+    from smp_compat.sdp.norms import global_grad_norm
+
+    init_sdp(sdp)
+    mesh = build_mesh()
+    torch.manual_seed(0)
+    full = [torch.randn(6, 3), torch.randn(5), torch.randn(4, 2)]  # 5 rows: uneven over the shards
+    placements = [Shard(0)] if mesh.ndim == 1 else [torch.distributed.tensor.Replicate(), Shard(0)]
+    sharded = [distribute_tensor(t, mesh, placements) for t in full[:2]]
+    mixed = [*sharded, full[2]]
+    return [float(global_grad_norm(mixed, p)) for p in (2.0, 1.0, float("inf"))]
+
+
+@pytest.mark.parametrize(("world", "sdp"), [(2, 2), (4, 2)])
+def test_global_norm_of_mixed_sharded_and_plain_gradients_counts_each_element_once(world: int, sdp: int) -> None:
+    torch.manual_seed(0)
+    full = torch.cat([torch.randn(6, 3).reshape(-1), torch.randn(5), torch.randn(4, 2).reshape(-1)])
+    expected = [float(full.norm(2)), float(full.norm(1)), float(full.abs().max())]
+    for norms in run_ranks(_mixed_norm, world, sdp, timeout=120):
+        assert norms == pytest.approx(expected, rel=1e-6)

@@ -1,10 +1,10 @@
-"""Gradient norms over sharded (DTensor) and replicated (plain) gradients, mixed safely.
+"""Gradient norms over sharded (DTensor) and replicated (plain) gradients, mixed safely, without host syncs.
 
 ``torch.nn.utils.clip_grad_norm_`` fails on a mix of DTensor and plain tensors (``_foreach_norm`` got
 mixed types), and a DTensor norm over an HSDP mesh must not count the replicas twice. So: each rank
 sums its local shards' powers, those sums are all-reduced over the sharding group only (replicas
 hold equal shards after the gradient all-reduce), and plain gradients (identical on every rank) are
-added once.
+added once. Everything stays on the device: reading the norm as a number is the caller's choice.
 """
 
 from __future__ import annotations
@@ -25,31 +25,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> float:
-    """The norm of all gradients as if unsharded (collective over the sharding group)."""
-    grads = list(grads)
-    sharded = [_local(g).detach().float() for g in grads if isinstance(g, DTensor)]
-    plain = [g.detach().float() for g in grads if not isinstance(g, DTensor)]
-    device = (sharded + plain)[0].device if sharded or plain else torch.device("cpu")
+def _partial(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """max |g| (inf norm) or sum |g|^p over ``tensors``, as an fp32 scalar on ``device``."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, norm_type)])
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as if unsharded, a 0-dim tensor (collective over the sharding group)."""
+    grads = [g.detach() for g in grads]
+    sharded = [_local(g) for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    device = (sharded + plain)[0].device if grads else torch.device("cpu")
     inf = math.isinf(norm_type)
+    part = _partial(sharded, norm_type, device)
+    dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=shard_dim_mesh().get_group())
+    rest = _partial(plain, norm_type, device)
     if inf:
-        part = max((g.abs().max() for g in sharded if g.numel()), default=torch.zeros((), device=device))
-        part = torch.as_tensor(part, dtype=torch.float32, device=device).clone()
-    else:
-        part = sum((g.norm(norm_type) ** norm_type for g in sharded if g.numel()), torch.zeros((), device=device))
-    group = shard_dim_mesh().get_group()
-    dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-    if inf:
-        rest = max((float(g.abs().max()) for g in plain if g.numel()), default=0.0)
-        return max(float(part), rest)
-    total = float(part) + sum(float(g.norm(norm_type) ** norm_type) for g in plain if g.numel())
-    return total ** (1.0 / norm_type)
+        return torch.maximum(part, rest)
+    return (part + rest).pow(1.0 / norm_type)
 
 
-def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total: float) -> None:
+def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
     """Scale gradients in place so their global norm is at most ``max_norm`` (torch's coefficient)."""
-    coefficient = max_norm / (total + 1e-6)
-    if coefficient < 1.0:
-        with torch.no_grad():
-            for g in grads:
-                _local(g).mul_(coefficient)
+    locals_ = [_local(g) for g in grads]
+    if locals_:
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(locals_, coefficient.to(locals_[0].device))

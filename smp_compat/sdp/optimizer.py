@@ -34,8 +34,15 @@ class ShardedOptimizer:
         self.model = model
         self.loss_scaler = scaler
         self.overflow = False
-        self._global_grad_norm: float | None = None
+        self._norm: torch.Tensor | float | None = None  # a tensor until read: no host sync in step()
         self._unscaled = False
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping in the last ``step()`` (-1.0 if it was skipped), as SMP."""
+        if isinstance(self._norm, torch.Tensor):
+            self._norm = float(self._norm)
+        return self._norm
 
     # ------------------------------------------------------------------ torch optimizer surface
     @property
@@ -102,7 +109,7 @@ class ShardedOptimizer:
         grads = self._grads()
         total = global_grad_norm(grads, norm_type)
         clip_by_norm(grads, max_norm, total)
-        return total
+        return float(total)
 
     def step(self, closure: Any = None) -> Any:
         """Unscale, clip to ``sdp_gradient_clipping`` (0 turns it off), then step; skipped on fp16 overflow."""
@@ -111,14 +118,14 @@ class ShardedOptimizer:
             self.loss_scaler.update(self.overflow)
         self._unscaled = False
         if self.overflow:
-            self._global_grad_norm = -1.0
+            self._norm = -1.0
             return None
         clip = state.cfg.sdp_gradient_clipping
         grads = self._grads()
         total = global_grad_norm(grads)
         if clip > 0:
             clip_by_norm(grads, clip, total)
-        self._global_grad_norm = total
+        self._norm = total
         return self.optimizer.step(closure)
 
     # ------------------------------------------------------------------ state dicts
