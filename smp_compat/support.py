@@ -182,8 +182,9 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
             "local_modules", "local_named_modules", "get_module", "is_local_parameter", "is_local_buffer",
             "get_param_name", "register_post_partition_hook", "register_post_step_hook",
         )),
-        ("state_dict", _S, "Collective over the pipeline stages, as in SMP.", ""),
-        ("local_state_dict", _S, "", ""),
+        ("state_dict", _S, "Collective over the pipeline stages, as in SMP. Under sharded data parallelism: real "
+         "full tensors on every rank (SMP returned placeholders).", ""),
+        ("local_state_dict", _S, "Under sharded data parallelism: DTensors holding this rank's shards.", ""),
         ("load_state_dict", _S, "Full or partial dicts; applied after partitioning, as in SMP.", ""),
         *((name, _S, "Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.", "")
           for name in (
