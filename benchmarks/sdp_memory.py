@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     results = {}
     for sdp in ns.degrees:
-        ranks = run_ranks(measure, ns.world, sdp, ns.width, ns.layers, ns.batch, ns.steps, timeout=600)
+        ranks = run_ranks(measure, ns.world, sdp, ns.width, ns.layers, ns.batch, ns.steps, timeout=600,
+                          env={"CUDA_VISIBLE_DEVICES": ""})  # CPU ranks: peak RSS is the measure
         results[sdp] = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the fullest rank
     base = results[ns.degrees[0]]
     table = Table(title=f"Per-rank model state, world {ns.world}, {base['full_params'] / MiB:.1f} MiB of parameters")

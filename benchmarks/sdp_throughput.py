@@ -11,13 +11,17 @@ same ranks, in the same run, in alternating rounds (so machine drift hits all al
 Figure of merit: median over rounds of time(fsdp2) / time(smp), target >= 0.95 (printed; exit status 1 when
 missed). Do not read timings taken on a loaded machine.
 
-    python benchmarks/sdp_throughput.py [--world 2 --width 512 --layers 8 --batch 64 --rounds 5 --steps 5]
+    python benchmarks/sdp_throughput.py [--world 2 --width 512 --layers 8 --batch 64 --rounds 5 --steps 5]  # CPU
+    torchrun --nproc-per-node 2 benchmarks/sdp_throughput.py --width 4096 --layers 8   # GPUs, NCCL
+
+Without a launcher it forks ``--world`` CPU ranks (gloo, CUDA hidden); under torchrun each rank uses its GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -91,7 +95,8 @@ def run_variants(width: int, layers: int, batch: int, rounds: int, steps: int, w
     import smp_compat as smp
 
     torch.set_num_threads(1)
-    smp.init({"ddp": True, "sharded_data_parallel_degree": int(torch.distributed.get_world_size())})
+    world = int(os.environ["WORLD_SIZE"])  # run_ranks and torchrun both set it
+    smp.init({"ddp": True, "sharded_data_parallel_degree": world})
     from smp_compat.globalstate import state
 
     device = state.device
@@ -116,6 +121,14 @@ def run_variants(width: int, layers: int, batch: int, rounds: int, steps: int, w
     return {"times": times, "first_losses": first}
 
 
+def _gathered(result: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, result)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -127,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
     ns = parser.parse_args(argv)
-    ranks = run_ranks(run_variants, ns.world, ns.width, ns.layers, ns.batch, ns.rounds, ns.steps, ns.warmup,
-                      timeout=600)  # fmt: skip
+    args = (ns.width, ns.layers, ns.batch, ns.rounds, ns.steps, ns.warmup)
+    if "LOCAL_RANK" in os.environ:  # torchrun: this process is one rank; smp.init makes the NCCL/gloo group
+        ranks = _gathered(run_variants(*args))
+        ns.world = len(ranks)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    else:
+        ranks = run_ranks(run_variants, ns.world, *args, timeout=600, env={"CUDA_VISIBLE_DEVICES": ""})
     per_round = {name: [max(r["times"][name][i] for r in ranks) for i in range(ns.rounds)] for name in VARIANTS}
     ratio_fsdp = statistics.median(f / s for f, s in zip(per_round["fsdp2"], per_round["smp"]))
     ratio_ddp = statistics.median(d / s for d, s in zip(per_round["ddp"], per_round["smp"]))
