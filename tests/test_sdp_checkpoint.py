@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,28 @@ def test_load_sharded_optimizer_state_false_restores_weights_but_not_moments(tmp
     for weights, states in run_ranks(_resume_weights_only, 2, 2, str(tmp_path), timeout=180):
         assert states == 0
         assert all(torch.equal(weights[k], v) for k, v in saved.items())
+
+
+def _state_dict_round_trips(sdp: int) -> dict:
+    smp, model, opt = init_sdp(sdp)
+    train(smp, model, opt, steps=1)
+    model_full, opt_full = model.state_dict(), opt.state_dict()
+    # like torch's, the sharded dicts share storage with the live tensors: copy them, as saving would
+    model_local, opt_local = copy.deepcopy(model.local_state_dict()), copy.deepcopy(opt.local_state_dict())
+    train(smp, model, opt, steps=1, start=1)  # move away from the saved state
+    model.load_state_dict(model_local)
+    opt.load_state_dict(opt_full)
+    after_full_opt = opt.state_dict()
+    opt.load_state_dict(opt_local)
+    same_model = all(torch.equal(model.state_dict()[k], v) for k, v in model_full.items())
+    name = "blocks.0.mlp.0.weight"
+    exp_avg = opt.state_dict()["state"][name]["exp_avg"]
+    return {"model": same_model, "full_opt": torch.equal(after_full_opt["state"][name]["exp_avg"],
+                                                         opt_full["state"][name]["exp_avg"]),
+            "local_opt": torch.equal(exp_avg, opt_full["state"][name]["exp_avg"]),
+            "full_shape": tuple(opt_full["state"][name]["exp_avg"].shape)}  # fmt: skip
+
+
+def test_model_and_optimizer_state_dicts_round_trip_full_and_sharded() -> None:
+    for r in run_ranks(_state_dict_round_trips, 2, 2, timeout=180):
+        assert r == {"model": True, "full_opt": True, "local_opt": True, "full_shape": (64, 16)}
