@@ -69,7 +69,28 @@ def checkpoint_command(argv: list[str]) -> int:
     return {"info": _info, "merge": _merge, "split": _split}[ns.action](ns)
 
 
+def _info_sharded(ns: argparse.Namespace, folder: Path) -> int:
+    shards = sorted(p.name for p in folder.iterdir() if p.name.endswith(".distcp"))
+    print("layout: sharded data parallelism (torch DCP)")
+    print(f"folder: {folder}")
+    print(f"rank files: {len(shards)} ({', '.join(shards)})")
+    config = folder / checkpoints.CONFIG_FILE
+    if config.is_file():
+        saved = convert.load_file(config, ns.unsafe)
+        if isinstance(saved, dict):
+            print(f"saved by: {saved.get('smp_version', '?')}")
+            keys = ("sharded_data_parallel_degree", "dp_size", "world_size")
+            print(f"degrees: {({k: saved.get(k) for k in keys if k in saved})} (resumes at any sharded degree)")
+    newest = checkpoints.read_newest(folder.parent)
+    if newest:
+        print(f"newest (oldest first): {', '.join(newest)}")
+    return 0
+
+
 def _info(ns: argparse.Namespace) -> int:
+    sharded = _sharded_folder(ns.source, ns.tag)
+    if sharded is not None:
+        return _info_sharded(ns, sharded)
     layout = convert.detect_layout(ns.source, ns.tag)
     print(f"layout: {layout.naming}")
     if layout.folder is not None:

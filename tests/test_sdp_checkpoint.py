@@ -89,6 +89,9 @@ def test_merge_cli_turns_the_sharded_checkpoint_into_one_state_dict(tmp_path: Pa
     )  # fmt: skip
     merged = torch.load(out, weights_only=True)
     assert merged.keys() == saved.keys()
+    info = subprocess.run([sys.executable, "-m", "smp_compat.cli", "checkpoint", "info", str(tmp_path)],
+                          check=True, capture_output=True, text=True).stdout  # fmt: skip
+    assert "sharded data parallelism (torch DCP)" in info and "'sharded_data_parallel_degree': 2" in info
     for name, value in saved.items():
         assert torch.equal(merged[name], value), name
     state = torch.load(optim, weights_only=True)["state"]
