@@ -83,6 +83,7 @@ from smp_compat.checkpoints.serialization import load, save
 from smp_compat.globalstate import init, is_initialized, reset, shutdown, state
 from smp_compat.stepping.step import is_tracing, step
 from smp_compat.stepping.output import StepOutput
+from smp_compat.sdp.wrap import register_parameter
 
 __version__ = "0.1.0"
 
@@ -99,7 +100,7 @@ __all__ = [
     "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
     "save", "load", "save_checkpoint", "resume_from_checkpoint",
     "amp", "patches", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
-    "model_creation", "delay_param_initialization",
+    "model_creation", "delay_param_initialization", "register_parameter",
     "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
     "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
 ]  # fmt: skip

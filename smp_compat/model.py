@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from smp_compat import sdp
 from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
 from smp_compat.memory.activation_checkpointing import apply_activation_checkpointing
 from smp_compat.memory.materialize import check_initialized, materialize_local
@@ -28,7 +29,7 @@ from smp_compat.errors import (
 )
 from smp_compat.globalstate import process_group, state
 from smp_compat.stepping import grads
-from smp_compat.stepping.step import active_call, in_step, is_tracing
+from smp_compat.stepping.step import active_call, current_microbatch, in_step, is_tracing
 
 __all__ = ["DistributedModel"]
 
@@ -80,7 +81,11 @@ class DistributedModel(nn.Module):
         self._pending_state_dict: Any = None  # a load waiting for partitioning (checkpoints/deferred_loads.py)
         self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
+        self._sdp_units: list[nn.Module] | None = None
+        self._sdp_all_reduce = True  # FSDP2's default
         state.model = self
+        if sdp.enabled():
+            self._shard()
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -118,6 +123,8 @@ class DistributedModel(nn.Module):
         if is_tracing():
             return
         tensors, grad_tensors = self._scaled_seeds(tensors, grad_tensors)
+        if self._sdp_units is not None:
+            self._set_gradient_sync()
         self._backward_ran = True
         if self.pipeline_engine is not None:
             self.pipeline_engine.backward(tensors, grad_tensors)
@@ -140,6 +147,26 @@ class DistributedModel(nn.Module):
             grad_tensors = [g.float() * scale for g in grad_tensors]
         return tensors, grad_tensors
 
+    # ------------------------------------------------------------------ sharded data parallelism
+    def _shard(self) -> None:
+        """sdp > 1: shard now (scripts build parameter groups right after wrapping), as SMP did."""
+        from smp_compat.sdp.state_dicts import attach_ds_views
+        from smp_compat.sdp.wrap import shard_module
+
+        self._sdp_units = shard_module(self.module, self.broadcast_buffers)
+        attach_ds_views(self.module)
+
+    def _set_gradient_sync(self) -> None:
+        """SMP's accumulation: reduce-scatter in every backward (gradients stay sharded), all-reduce across
+        replicas of the sharding group only in the last backward before an optimizer step."""
+        call = active_call()
+        last_mb = call is None or current_microbatch() in (None, call.num_microbatches - 1)
+        boundary = (self._steps_with_backward + 1) % self.backward_passes_per_step == 0
+        all_reduce = last_mb and boundary
+        if all_reduce != self._sdp_all_reduce:  # the setters walk every module: only on a change
+            self.module.set_requires_all_reduce(all_reduce)  # type: ignore[operator]
+            self._sdp_all_reduce = all_reduce
+
     # ------------------------------------------------------------------ step life cycle
     def runs_step_body(self) -> bool:
         """Only pp_rank 0 runs the step body; the other stages serve module calls."""
@@ -155,14 +182,15 @@ class DistributedModel(nn.Module):
             from smp_compat.runtime.engine import PipelineEngine
 
             self.pipeline_engine = PipelineEngine.create(self, step_fn, microbatches)
-        else:
+        elif self._sdp_units is None:  # sharded data parallelism placed the model at wrapping
             materialize_local(self.module, list(self.module.modules()), state.device)
             self.module.to(state.device)
         self._partitioned = True
         apply_activation_checkpointing(self)
         deferred_loads.apply_pending_model_loads(self)  # before fp16 masters are copied from the weights
         check_initialized(self.module)  # a delayed parameter with no initializer must have been loaded
-        self._sync_replicas()
+        if self._sdp_units is None:  # FSDP made the shards from dp rank 0's values
+            self._sync_replicas()
         for action in self._partition_actions:
             action(self)
         optimizer_state.apply_pending_optimizer_loads()  # after masters and sharding exist
@@ -193,7 +221,7 @@ class DistributedModel(nn.Module):
                 hook(self, state.optimizer)
 
     def _average_gradients(self) -> None:
-        if state.topology.dp_size == 1:
+        if state.topology.dp_size == 1 or self._sdp_units is not None:  # FSDP reduced them in backward
             return
         params = [p for p in self.local_parameters() if p.requires_grad]
         grads.average_gradients(params, process_group("dp"), state.topology.dp_size, self.bucket_cap_mb)
@@ -320,12 +348,23 @@ class DistributedModel(nn.Module):
         Collective over the pipeline group once partitioned: call it on every rank of the group.
         With ``gather_to_rank0`` only pp_rank 0 gets the dict; the other pipeline ranks get ``{}``.
         """
+        if self._sdp_units is not None:
+            from smp_compat.sdp.state_dicts import full_model_state_dict
+
+            return full_model_state_dict(self, cast_to_cpu)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars, cast_to_cpu, gather_to_rank0)
 
     def local_state_dict(
         self, destination: Any = None, prefix: str = "", keep_vars: bool = False, **_: Any
     ) -> dict[str, Any]:
-        """This rank's entries, marked ``_smp_is_partial`` with ``_smp_load_info`` (degrees and partition)."""
+        """This rank's entries, marked ``_smp_is_partial`` with ``_smp_load_info`` (degrees and partition).
+
+        Under sharded data parallelism: the sharded form (DTensors holding this rank's shards).
+        """
+        if self._sdp_units is not None:
+            from smp_compat.sdp.state_dicts import sharded_model_state_dict
+
+            return sharded_model_state_dict(self)
         return state_dicts.model_local_state_dict(self, destination, prefix, keep_vars)
 
     def load_state_dict(  # type: ignore[override]
@@ -337,6 +376,10 @@ class DistributedModel(nn.Module):
         **_: Any,
     ) -> Any:
         """Load a full, partial or plain PyTorch dict; before partitioning the copy waits for it (as in SMP)."""
+        if self._sdp_units is not None:  # already sharded: load now, collectively
+            from smp_compat.sdp.state_dicts import load_model_state_dict
+
+            return load_model_state_dict(self, state_dict, strict, translate_function)
         return state_dicts.load_model_state(self, state_dict, strict, translate_function, same_partition_load)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from smp_compat import sdp
 from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
 from smp_compat.errors import CheckpointError, DistributedModelNotCreatedError, ParameterOwnershipError
 from smp_compat.precision.fp16 import FP16Optimizer, LossScaler
@@ -37,6 +38,13 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
     _check_ownership(optimizer, model)
     if not state.cfg.fp16 and (static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args):
         log.debug("static_loss_scale/dynamic_loss_scale only apply when the config has fp16 on; ignored (as in SMP).")
+    if sdp.enabled():
+        from smp_compat.sdp.optimizer import ShardedOptimizer
+
+        scaler = LossScaler.create(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) if state.cfg.fp16 else None
+        state.optimizer = ShardedOptimizer(optimizer, model, scaler)
+        deferred_loads.attach_queued_optimizer_load(state.optimizer)  # type: ignore[arg-type]
+        return state.optimizer  # type: ignore[return-value]
     _patch(optimizer)
     sharding = OptimizerSharding(optimizer) if state.cfg.shard_optimizer_state else None
     if sharding is not None:

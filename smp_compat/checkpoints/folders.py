@@ -210,6 +210,18 @@ def staging_folder(root: Path, name: str) -> Path:
 
 
 def _write_rank_files(staging: Path, tag: str, model: Any, optimizer: Any, user_content: Any) -> None:
+    if state.cfg.sharded_data_parallel_degree > 1:  # every rank writes its shards (DCP), whatever its replica
+        from smp_compat.sdp.checkpoint import write_sharded
+
+        write_sharded(staging, model, optimizer)
+    else:
+        _write_part_files(staging, model, optimizer)
+    if state.rank == 0:
+        atomic_save(user_content, staging / USER_CONTENT_FILE)
+        atomic_save(_config_record(tag, model), staging / CONFIG_FILE)
+
+
+def _write_part_files(staging: Path, model: Any, optimizer: Any) -> None:
     coords = state.topology.coords(state.rank)
     pp, tp = coords.pp_rank, coords.tp_rank
     if model is not None and _writes_model_parts():
@@ -222,9 +234,6 @@ def _write_rank_files(staging: Path, tag: str, model: Any, optimizer: Any, user_
         fp16_states = getattr(optimizer, "local_fp16_state_dict", None)
         if callable(fp16_states) and (sharded or _writes_model_parts()):
             atomic_save(fp16_states(), staging / fp16_file(pp, tp, rdp))
-    if state.rank == 0:
-        atomic_save(user_content, staging / USER_CONTENT_FILE)
-        atomic_save(_config_record(tag, model), staging / CONFIG_FILE)
 
 
 def _config_record(tag: str, model: Any) -> dict[str, Any]:
@@ -245,6 +254,7 @@ def _config_record(tag: str, model: Any) -> dict[str, Any]:
         "pipeline_parallel_degree": topo.pp_size,
         "tensor_parallel_degree": topo.tp_size,
         "dp_size": topo.dp_size,
+        "sharded_data_parallel_degree": state.cfg.sharded_data_parallel_degree,
         "partition": partition,
     }
 
@@ -314,7 +324,8 @@ def _save_full(root: Path, tag: str, model: Any, optimizer: Any, user_content: A
     full = None
     error = None
     try:
-        if model is not None and state.topology.coords(state.rank).dp_rank == 0:
+        writes = state.cfg.sharded_data_parallel_degree > 1 or state.topology.coords(state.rank).dp_rank == 0
+        if model is not None and writes:
             full = model.state_dict(gather_to_rank0=True)
             if not translate:
                 full[state_dicts.PARTIAL_KEY] = False

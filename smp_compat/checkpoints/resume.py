@@ -34,14 +34,18 @@ _MUST_MATCH = ("pipeline_parallel_degree", "tensor_parallel_degree", "shard_opti
 _MAY_DIFFER = {"microbatches", "active_microbatches", "pipeline", "ddp_port", "ddp_dist_backend", "placement_strategy"}
 
 
-def check_saved_config(saved: Any, where: str) -> None:
-    """Degrees that decide the parts must match this job; other differences only warn (as SMP)."""
+def check_saved_config(saved: Any, where: str, resharding: bool = False) -> None:
+    """Degrees that decide the parts must match this job; other differences only warn (as SMP).
+
+    ``resharding``: a sharded (DCP) checkpoint, which loads at any sharded_data_parallel_degree.
+    """
     if not isinstance(saved, Mapping):
         return
     values = dict(saved.get("config") or {})
     values.update({k: saved[k] for k in _MUST_MATCH if k in saved})
     current = state.cfg.to_dict()
-    bad = [k for k in _MUST_MATCH if k in values and values[k] != current.get(k)]
+    must_match = [k for k in _MUST_MATCH if not (resharding and k == "sharded_data_parallel_degree")]
+    bad = [k for k in must_match if k in values and values[k] != current.get(k)]
     if bad:
         changes = ", ".join(f"{k}: saved {values[k]!r}, now {current.get(k)!r}" for k in bad)
         raise CheckpointError(
@@ -95,7 +99,7 @@ def resume_from_checkpoint(
     if load_optimizer_states is not None:  # SMP 1.10's name
         load_optimizer = load_optimizer_states
     if partial:
-        return _resume_partial(path, tag, strict, load_optimizer, weights_only)
+        return _resume_partial(path, tag, strict, load_optimizer, weights_only, load_sharded_optimizer_state)
     return _resume_full(path, tag, strict, translate_function, weights_only)
 
 
@@ -104,11 +108,20 @@ def _load(file: Path, weights_only: bool, root: Any) -> Any:
     return safe_load(file, map_location="cpu", weights_only=weights_only, trust_folder=root)
 
 
-def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool) -> Any:
+def _resume_partial(
+    path: Any, tag: str | None, strict: bool, load_optimizer: bool, weights_only: bool, load_moments: bool = True
+) -> Any:
+    from smp_compat.sdp.checkpoint import is_sharded_checkpoint, load_sharded
+
     folder = checkpoint_folder(path, tag)
     config = folder / CONFIG_FILE
+    sharded = is_sharded_checkpoint(folder)
     if config.is_file():
-        check_saved_config(_load(config, weights_only, path), str(folder))
+        check_saved_config(_load(config, weights_only, path), str(folder), resharding=sharded)
+    content = folder / USER_CONTENT_FILE
+    if sharded:
+        load_sharded(folder, load_optimizer, strict, weights_only, load_sharded_optimizer_state=load_moments)
+        return _load(content, weights_only, path) if content.is_file() else None
     coords = state.topology.coords(state.rank)
     pp, tp = coords.pp_rank, coords.tp_rank
     model_sd = _load(folder / model_file(pp, tp), weights_only, path) if _check_parts(folder) else None
@@ -118,7 +131,6 @@ def _resume_partial(path: Any, tag: str | None, strict: bool, load_optimizer: bo
         optimizer_names = (optimizer_file(pp, tp), optimizer_file(pp, tp, rdp))
         optimizer_sd = _load_first(folder, optimizer_names, weights_only, path)
         fp16_sd = _load_first(folder, (fp16_file(pp, tp), fp16_file(pp, tp, rdp)), weights_only, path)
-    content = folder / USER_CONTENT_FILE
     user_content = _load(content, weights_only, path) if content.is_file() else None
     _apply(model_sd, {"strict": strict}, optimizer_sd, fp16_sd)
     return user_content

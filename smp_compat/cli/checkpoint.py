@@ -69,7 +69,28 @@ def checkpoint_command(argv: list[str]) -> int:
     return {"info": _info, "merge": _merge, "split": _split}[ns.action](ns)
 
 
+def _info_sharded(ns: argparse.Namespace, folder: Path) -> int:
+    shards = sorted(p.name for p in folder.iterdir() if p.name.endswith(".distcp"))
+    print("layout: sharded data parallelism (torch DCP)")
+    print(f"folder: {folder}")
+    print(f"rank files: {len(shards)} ({', '.join(shards)})")
+    config = folder / folders.CONFIG_FILE
+    if config.is_file():
+        saved = convert.load_file(config, ns.unsafe)
+        if isinstance(saved, dict):
+            print(f"saved by: {saved.get('smp_version', '?')}")
+            keys = ("sharded_data_parallel_degree", "dp_size", "world_size")
+            print(f"degrees: {({k: saved.get(k) for k in keys if k in saved})} (resumes at any sharded degree)")
+    newest = folders.read_newest(folder.parent)
+    if newest:
+        print(f"newest (oldest first): {', '.join(newest)}")
+    return 0
+
+
 def _info(ns: argparse.Namespace) -> int:
+    sharded = _sharded_folder(ns.source, ns.tag)
+    if sharded is not None:
+        return _info_sharded(ns, sharded)
     layout = convert.detect_layout(ns.source, ns.tag)
     print(f"layout: {layout.naming}")
     if layout.folder is not None:
@@ -97,7 +118,40 @@ def _rdp(part: convert.PartFile) -> str:
     return f" rdp={part.rdp_rank}" if part.rdp_rank is not None else ""
 
 
+def _sharded_folder(source: str, tag: str | None) -> Path | None:
+    """The DCP folder of a sharded-data-parallel checkpoint named by source/tag, if that is what it is."""
+    from smp_compat.sdp.checkpoint import is_sharded_checkpoint
+
+    root = Path(source)
+    if root.is_dir() and is_sharded_checkpoint(root):
+        return root
+    if root.is_dir() and (tag is not None or (root / folders.NEWEST_FILE).is_file()):
+        try:
+            folder = folders.checkpoint_folder(root, tag)
+        except CheckpointError:
+            return None
+        return folder if is_sharded_checkpoint(folder) else None
+    return None
+
+
+def _merge_sharded(ns: argparse.Namespace, folder: Path) -> int:
+    from smp_compat.sdp.checkpoint import merge_sharded
+
+    model_sd, optimizer_sd = merge_sharded(folder)
+    atomic_save(model_sd, ns.output)
+    print(f"wrote {ns.output}: {len(model_sd)} tensors from sharded checkpoint {folder} (DCP)")
+    if ns.optimizer_output:
+        if optimizer_sd is None:
+            raise CheckpointError(f"{folder} holds no optimizer state (it was saved without optimizer=...).")
+        atomic_save(optimizer_sd, ns.optimizer_output)
+        print(f"wrote {ns.optimizer_output}: optimizer state of {len(optimizer_sd['state'])} parameter(s), keyed by name")
+    return 0
+
+
 def _merge(ns: argparse.Namespace) -> int:
+    sharded = _sharded_folder(ns.source, ns.tag)
+    if sharded is not None:
+        return _merge_sharded(ns, sharded)
     layout = convert.detect_layout(ns.source, ns.tag)
     merged = convert.merge_model(layout, ns.key, ns.strip_prefix, ns.unsafe)
     atomic_save(merged, ns.output)

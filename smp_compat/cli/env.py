@@ -23,8 +23,8 @@ def env_command(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     launch = read_launch_config(ns.config, os.environ)
     env = launch_environment(launch, resolve_launch(launch), os.environ)
-    for note in launch.notes:
-        note(note)
+    for line in launch.notes:
+        note(line)
     for name, value in sorted(env.items()):
         print(f"export {name}={shlex.quote(value)}")
     return 0

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
-from smp_compat.errors import SMPConfigError, SMPError
+from smp_compat.errors import SMPConfigError
 from smp_compat.checkpoints.load_policy import TRUST_ENV, TRUST_FLAG, trust_value
 from smp_compat.shim import pythonpath_with_shim
 from smp_compat.topology import Topology
@@ -394,8 +394,8 @@ def _print_dry_run(plan: LaunchPlan) -> None:
 def run_command(argv: list[str]) -> int:
     """``smp-compat run``: check, then exec torchrun (or, with --dry-run, show the plan and stop)."""
     plan = plan_launch(argv)
-    for note in plan.launch.notes:
-        note(note)
+    for line in plan.launch.notes:
+        note(line)
     problem = _world_size_problem(plan)
     if plan.dry_run:
         _print_dry_run(plan)

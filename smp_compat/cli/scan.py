@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -72,7 +72,6 @@ _Row = tuple  # (name, status, note, action[, group])
 
 _NO_TP = "Tensor parallelism is not implemented (tensor_parallel_degree must be 1)."
 _NO_TP_ACTION = "Remove it: with tp = 1 SMP left the modules unchanged too."
-_NO_SDP = "Set by SMP's sharded-data-parallel optimizer; sharded data parallelism is not implemented."
 
 _API_ROWS: list[tuple[str, list[_Row]]] = [
     ("Initialization and state", [
@@ -89,9 +88,13 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("StepOutput", _S, "", ""),
     ]),
     ("Model and optimizer", [
-        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented).", ""),
+        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented). With "
+         "sharded_data_parallel_degree > 1 it shards the model with FSDP2 when called, as SMP did.", ""),
         ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
-         "with fp32 master weights and loss scaling, as SMP.", ""),
+         "with fp32 master weights and loss scaling, as SMP. Under sharded data parallelism, a wrapper that clips "
+         "to sdp_gradient_clipping inside step() and sets _global_grad_norm, as SMP.", ""),
+        ("register_parameter", _S, "Sharded data parallelism: keeps the module and the parameter it borrows in one "
+         "FSDP2 unit; call it before smp.DistributedModel (a no-op without sharding).", ""),
     ]),
     ("Partitioning", [
         ("partition", _S, "", ""),
@@ -188,8 +191,9 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         )),
         ("module", _P, "The user's module itself: SMP had its DDP and 16-bit wrappers in between.",
          "Write model.get_module() for the user's module (it works in both) instead of model.module.module chains."),
-        ("state_dict", _S, "Collective over the pipeline stages, as in SMP.", ""),
-        ("local_state_dict", _S, "", ""),
+        ("state_dict", _S, "Collective over the pipeline stages, as in SMP. Under sharded data parallelism: real "
+         "full tensors on every rank (SMP returned placeholders).", ""),
+        ("local_state_dict", _S, "Under sharded data parallelism: DTensors holding this rank's shards.", ""),
         ("load_state_dict", _S, "Full or partial dicts; applied after partitioning, as in SMP.", ""),
         *((name, _S, "Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.", "")
           for name in (
@@ -213,9 +217,11 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         ("local_optimizer_state_dict", _S, "", ""),
         ("load_state_dict", _S, "Full or partial dicts.", ""),
         ("load_local_optimizer_state_dict", _S, "", ""),
-        ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper), as in SMP.",
+        ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper) or sharded data "
+         "parallelism, as in SMP.",
          "In fp32 use torch.nn.utils.clip_grad_norm_; with pp > 1 all-reduce the norm over the stages."),
-        ("optimizer", _P, "The wrapped torch optimizer; exists only with fp16 or bf16 on, as in SMP.",
+        ("optimizer", _P, "The wrapped torch optimizer; exists only with fp16 or bf16 on or sharded data "
+         "parallelism, as in SMP.",
          "In fp32 the returned optimizer is the torch optimizer itself."),
         ("overflow", _P, "True when the last step was skipped for inf/nan gradients; exists only with fp16 or bf16 "
          "on, as in SMP.", "In fp32 no step is skipped: leave the check out."),
@@ -223,10 +229,14 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
          "as in SMP.", "In fp32 there is no such state: save optimizer.local_state_dict() alone."),
         ("load_local_fp16_state_dict", _P, "Restores local_fp16_state_dict(); exists only with fp16 or bf16 on, "
          "as in SMP.", "In fp32 load optimizer.local_state_dict() alone."),
-        ("_global_grad_norm", _U, _NO_SDP, "Log the norm that torch.nn.utils.clip_grad_norm_ returns instead."),
-        *((name, _U, _NO_SDP + " (DeepSpeed ZeRO-3 internals that some scripts read)",
-           "Drop the per-shard bookkeeping: every data-parallel rank holds the full parameters and their state.")
-          for name in ("fp16_groups", "fp32_partitioned_groups_flat", "ds_param_shard_group")),
+        ("_global_grad_norm", _P, "The gradient norm of the last step, computed by the clipping inside step(); "
+         "exists only with sharded data parallelism, as in SMP.", "Without it, log what clip_grad_norm_ returns."),
+        ("fp16_groups", _P, "Exists only with sharded data parallelism: the parameter groups' parameters (DTensors), as "
+         "DeepSpeed's ZeRO-3 exposed them.", "Without sharded data parallelism use optimizer.param_groups."),
+        ("fp32_partitioned_groups_flat", _P, "Exists only with sharded data parallelism: a read-only snapshot of this rank's "
+         "fp32 shards per group, flattened (enough for AWS's param-norm logging).", "Read p.to_local() to change shards."),
+        ("ds_param_shard_group", _P, "Exists only with sharded data parallelism: the sharding group.",
+         "Without sharded data parallelism there is no sharding group: smp.get_dp_process_group() is the replicas'."),
     ]),
     ("StepOutput", [
         *((name, _S, "", "") for name in ("outputs", "reduce_mean", "reduce_sum", "concat", "stack", "map", "clear")),
@@ -273,6 +283,11 @@ _CONFIG_ADVICE: dict[str, str] = {
     "optimize": "Nothing to do: it only tuned SMP's tensor-parallel layers.",
     "skip_tracing": "Nothing to do: the partitioner still traces at pp > 1.",
     "horovod": "Remove it and use ddp: True for data parallelism.",
+    "sdp_reduce_bucket_size": "Nothing to do: FSDP2 reduce-scatters each block's gradients in one collective.",
+    "sdp_param_persistence_threshold": "Nothing to do: every parameter is sharded; FSDP2 gathers a block's "
+    "parameters in one collective, so small tensors add no latency.",
+    "sdp_max_live_parameters": "Nothing to do: FSDP2 keeps the current and the next block gathered (no cap).",
+    "sdp_hierarchical_allgather": "Nothing to do: FSDP2 has no hierarchical all-gather (NCCL picks its algorithm).",
 }
 _DEFAULT_ADVICE = "Nothing to do: the key is accepted and has no effect here."
 

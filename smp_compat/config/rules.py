@@ -55,12 +55,11 @@ def _precision_problems(cfg: SMPConfig) -> list[str]:
 
 
 def _sdp_problems(cfg: SMPConfig) -> list[str]:
-    """Sharded data parallelism excludes tensor and pipeline parallelism and optimizer-state sharding."""
+    """Sharded data parallelism excludes pipeline parallelism and optimizer-state sharding (SMP 1.11-1.15)."""
     sdp = cfg.sharded_data_parallel_degree
     if sdp == 1:
         return []
     clashes = [
-        ("tensor_parallel_degree", cfg.tensor_parallel_degree, cfg.tensor_parallel_degree != 1, 1),
         ("pipeline_parallel_degree", cfg.pipeline_parallel_degree, cfg.pipeline_parallel_degree != 1, 1),
         ("shard_optimizer_state", cfg.shard_optimizer_state, cfg.shard_optimizer_state, False),
     ]
@@ -101,6 +100,12 @@ def world_size_problem(cfg: SMPConfig, world: int) -> str | None:
         return (
             f"{degrees} must divide the world size ({world}); launch a multiple of {pp * tp} processes "
             f"or choose degrees whose product divides {world}."
+        )
+    sdp, dp = cfg.sharded_data_parallel_degree, world // (pp * tp)
+    if sdp > 1 and dp % sdp:
+        return (
+            f"sharded_data_parallel_degree ({sdp}) must divide the data-parallel degree ({dp} = world size {world} "
+            f"/ {degrees}); choose a divisor of {dp}, as SMP requires."
         )
     if world > pp * tp and not cfg.ddp:
         return (

@@ -253,14 +253,14 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         "tensor_parallel_seed",
         "optimize",
     }
-    | {key for key in SMP_KEYS if key.startswith("sdp_")}
+    | {"sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters",
+       "sdp_hierarchical_allgather"}  # FSDP2 has no such knob: see docs/differences.md
     | _INTERNAL_KEYS
 )
 """SMP keys accepted but not implemented yet; smp.init warns once about those set to a non-default value."""
 
 UNSUPPORTED: dict[str, str] = {
     "tensor_parallel_degree": "tensor parallelism",
-    "sharded_data_parallel_degree": "sharded data parallelism",
 }
 """SMP keys whose non-default value asks for a feature smp_compat lacks: resolve_config raises SMPUnsupportedError."""
 

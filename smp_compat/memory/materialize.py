@@ -55,8 +55,9 @@ def materialize_local(root: nn.Module, modules: list[nn.Module], device: torch.d
     with torch.no_grad(), replaying():
         _replay(root, pending, owners)
     unset = [(names.get(id(t), "?"), t) for t in pending if _is_unset(t)]
-    if unset:
-        setattr(root, _UNSET_ATTR, (unset, uncovered))
+    if unset:  # added to what earlier calls recorded (sharded data parallelism materializes unit by unit)
+        earlier_unset, earlier_uncovered = root.__dict__.get(_UNSET_ATTR, ([], set()))
+        root.__dict__[_UNSET_ATTR] = (earlier_unset + unset, earlier_uncovered | uncovered)
     if unreplayed:
         warnings.warn(
             f"Delayed parameter initialization cannot replay what was written into {_listing(unreplayed)} "

@@ -227,7 +227,20 @@ def amp_grad_scaler(smp: Any) -> None:
     assert_matches(full_params(smp, model), reference())
 
 
+def sharded_data_parallelism(smp: Any) -> None:
+    """sdp = 2 in two replicas (4 ranks), clipping off: exactly plain PyTorch; a parameter registered with
+    smp.register_parameter stays in one FSDP unit with its borrower."""
+    smp.init({"ddp": True, "microbatches": 2, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    net = make_net()
+    smp.register_parameter(net.c, net.a[0].weight)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    train(smp, model, opt)
+    assert_matches({k: v.detach().float() for k, v in model.state_dict().items()}, reference())
+    smp.reset()
+
+
 TRAINING = [pipeline_with_data_parallelism, schedule_and_placement_keys, manual_partition_and_model_members,
             step_output_members, sixteen_bit, sharded_optimizer_state, delayed_initialization,
-            activation_checkpointing, amp_grad_scaler]  # fmt: skip
+            activation_checkpointing, amp_grad_scaler, sharded_data_parallelism]  # fmt: skip
 assert STEPS >= 2  # the loss must have a chance to fall

@@ -138,7 +138,7 @@ LAUNCHER = [
     ("config", "optimize", [12], key("optimize", "memory")),
     ("config", "ddp", [13], S),
     ("config", "tensor_parallel_degree", [14], S),  # 1: the default
-    ("config", "sharded_data_parallel_degree", [15], U),
+    ("config", "sharded_data_parallel_degree", [15], S),  # sharded data parallelism (issue 13)
     ("config", "memory_weigth", [16], ERROR),
     ("launch", "mpi.enabled", [21], S),
     ("launch", "mpi.processes_per_host", [22], S),

@@ -253,6 +253,20 @@ def test_env_command_prints_exports(capsys: pytest.CaptureFixture[str], monkeypa
     assert exports["PYTHONPATH"].startswith(shim.SITE_DIR)
 
 
+def test_launch_notes_are_printed_by_run_and_env(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SageMaker config's mpi options that torchrun does not use are noted, not fatal (regression: the
+    loop variable shadowed the printing function)."""
+    monkeypatch.delenv("SM_HP_MP_PARAMETERS", raising=False)
+    monkeypatch.delenv("PET_NPROC_PER_NODE", raising=False)
+    config = json.dumps({"smdistributed": {"modelparallel": {"enabled": True, "parameters": {"ddp": True}}},
+                         "mpi": {"enabled": True, "processes_per_host": 2, "custom_mpi_options": "-verbose"}})
+    code, out, err = _dry_run(capsys, "--config", config)
+    assert code == 0, err
+    assert "custom_mpi_options" in out + err
+    assert cli.main(["env", "--config", config]) == 0
+    assert "custom_mpi_options" in "".join(capsys.readouterr())
+
+
 def test_unknown_command_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["frobnicate"]) == 2
     err = capsys.readouterr().err

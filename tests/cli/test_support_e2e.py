@@ -38,6 +38,7 @@ API_USES: dict[str, Exercise] = {
     **_same(tr.activation_checkpointing, "set_activation_checkpointing checkpoint checkpoint_sequential "
             "patches.checkpoint.checkpoint patches.checkpoint.checkpoint_sequential"),
     **_same(tr.amp_grad_scaler, "amp amp.GradScaler"),
+    **_same(tr.sharded_data_parallelism, "register_parameter"),
     **_same(api.save_load_and_resume, "save load save_checkpoint resume_from_checkpoint"),
     **_same(api.ranks_groups_and_communication,
             "rank size local_rank local_size pp_rank pp_size tp_rank tp_size dp_rank dp_size rdp_rank rdp_size "
@@ -84,6 +85,7 @@ CONFIG_USES: dict[str, Exercise] = {
     **_same(tr.sharded_optimizer_state, "shard_optimizer_state"),
     **_same(tr.sixteen_bit, "fp16 bf16"),
     **_same(tr.delayed_initialization, "delayed_parameter_initialization"),
+    **_same(tr.sharded_data_parallelism, "sharded_data_parallel_degree sdp_gradient_clipping"),
 }  # fmt: skip
 
 TABLES = [("API", API, API_USES), ("member", METHODS, MEMBER_USES), ("config key", CONFIG, CONFIG_USES)]

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from models import causal_mask, lm_loss, lm_train_step, make_batches, make_model, place_blocks_by_stage
-from smp_compat.testing import RankFailure, run_ranks
+from smp_compat.testing import run_ranks
 
 STEPS, GLOBAL_BATCH, LR, MOMENTUM = 3, 8, 0.05, 0.9
 FP16_SCALE = 2.0**10  # static: a skipped step would only test the scaler (covered in test_fp16/test_sharding_16bit)

@@ -316,7 +316,6 @@ def test_internal_field_names_also_work() -> None:
         ({"prescaled_batch": True, "optimize": "memory"}, 'needs optimize "speed", got "memory"'),
         ({"bf16": True, "fp16": True}, "bf16: True cannot be combined"),
         ({"bf16": True, "fp16_params": True}, "fp16_params (True)"),
-        ({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True}, "tensor_parallel_degree (2)"),
         ({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree (2)"),
         ({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True, "ddp": True}, "shard_optimizer_state"),
         ({"shard_optimizer_state": True}, 'shard_optimizer_state (True) needs "ddp": True'),
@@ -341,6 +340,7 @@ def test_cross_key_rules(params: dict[str, Any], expected: str) -> None:
         {"bf16": True},
         {"fp16": True, "fp16_params": True},
         {"sharded_data_parallel_degree": 2, "ddp": True},
+        {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True},  # SMP 1.15 allows it
         {"auto_partition": False, "default_partition": 1, "pipeline_parallel_degree": 2},
         {"auto_partition": True, "default_partition": 0},
     ],
@@ -425,9 +425,9 @@ def test_simple_with_all_active_stays_simple() -> None:
 
 
 def test_not_acted_on_lists_explicit_non_default_keys_sorted() -> None:
-    cfg = resolve({"skip_tracing": True, "optimize": "memory", "contiguous": True, "sdp_gradient_clipping": 0.5,
+    cfg = resolve({"skip_tracing": True, "optimize": "memory", "contiguous": True, "sdp_max_live_parameters": 5,
                    "ddp": True, "fp16": True})  # fmt: skip
-    assert cfg.not_acted_on() == ["optimize", "sdp_gradient_clipping", "skip_tracing"]
+    assert cfg.not_acted_on() == ["optimize", "sdp_max_live_parameters", "skip_tracing"]
 
 
 def test_not_acted_on_contents() -> None:
@@ -439,7 +439,7 @@ def test_not_acted_on_contents() -> None:
 
 @pytest.mark.parametrize(
     ("key", "feature"),
-    [("tensor_parallel_degree", "tensor parallelism"), ("sharded_data_parallel_degree", "sharded data parallelism")],
+    [("tensor_parallel_degree", "tensor parallelism")],
 )
 def test_unsupported_keys(key: str, feature: str) -> None:
     assert UNSUPPORTED[key] == feature

@@ -1,0 +1,143 @@
+"""Sharding the model at ``smp.DistributedModel(...)``: one FSDP2 unit per block, root last.
+
+SMP sharded eagerly (scripts build their optimizer's parameter groups right after wrapping), so this
+runs in the DistributedModel constructor. Units are the children of every ``nn.ModuleList`` (the
+transformer blocks of HF and AWS models) or, for a model without one, its direct children. A unit
+that shares a parameter with anything outside it (tied embeddings and heads, ``smp.register_parameter``)
+is left to the root unit, so a shared parameter always lives in one FSDP group (torch >= 2.13 refuses
+otherwise). Delayed-initialization models are materialized one unit at a time and sharded at once,
+so a rank holds at most one unit's full parameters besides its shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from smp_compat.stepping import grads
+from smp_compat.memory.materialize import check_initialized, materialize_local
+from smp_compat.errors import StepUsageError
+from smp_compat.globalstate import process_group, state
+from smp_compat.sdp.mesh import build_mesh
+
+__all__ = ["shard_module", "choose_units", "registered_pairs", "register_parameter"]
+
+_registered: list[tuple[Any, nn.Module, nn.Parameter]] = []  # (launch, module, parameter)
+
+
+def registered_pairs() -> list[tuple[nn.Module, nn.Parameter]]:
+    """``smp.register_parameter(module, p)`` calls of this job: ``module`` uses ``p`` owned elsewhere."""
+    return [(m, p) for launch, m, p in _registered if launch is state.launch]
+
+
+def register_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """SMP 1.15: ``module``'s forward uses ``parameter``, owned by another module; keep them in one unit.
+
+    Call it before ``smp.DistributedModel(...)``, which shards. Without sharded DP it changes nothing.
+    """
+    if not isinstance(module, nn.Module) or not isinstance(parameter, torch.Tensor):
+        raise TypeError("smp.register_parameter(module, parameter) takes an nn.Module and one of the model's parameters.")
+    if state.initialized and state.model is not None and getattr(state.model, "_sdp_units", None) is not None:
+        raise StepUsageError(
+            "smp.register_parameter() was called after smp.DistributedModel(...), which already sharded the model; "
+            "call it before wrapping, as SMP's sharded data parallelism requires."
+        )
+    _registered.append((state.launch if state.initialized else None, module, parameter))
+
+
+def choose_units(root: nn.Module) -> list[nn.Module]:
+    """Blocks to shard one by one, in forward order; shared-parameter blocks are left to the root."""
+    candidates = _candidates(root)
+    owners: dict[int, list[nn.Module]] = {}
+    for unit in candidates:
+        for p in unit.parameters():
+            owners.setdefault(id(p), []).append(unit)
+    outside = _params_outside(root, candidates)
+    pairs = registered_pairs()
+    extra = {id(p): m for m, p in pairs}
+    return [
+        u for u in candidates
+        if all(len(owners[id(p)]) == 1 and id(p) not in outside for p in u.parameters())
+        and not any(id(p) in extra and not _contains(u, extra[id(p)]) for p in u.parameters())
+        and not any(_contains(u, m) and not _owns(u, p) for m, p in pairs)
+    ]  # fmt: skip
+
+
+def _candidates(root: nn.Module) -> list[nn.Module]:
+    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        found: list[nn.Module] = []
+        for ml in lists:
+            if not any(_contains(f, ml) for f in found):
+                found.extend(c for c in ml if any(True for _ in c.parameters()))
+        return found
+    return [c for c in root.children() if any(True for _ in c.parameters())]
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _owns(unit: nn.Module, p: nn.Parameter) -> bool:
+    return any(q is p for q in unit.parameters())
+
+
+def _params_outside(root: nn.Module, units: list[nn.Module]) -> set[int]:
+    """ids of parameters also reachable from modules that are in no candidate unit."""
+    inside = {id(m) for u in units for m in u.modules()}
+    out: set[int] = set()
+    for m in root.modules():
+        if id(m) not in inside:
+            out.update(id(p) for p in m.parameters(recurse=False))
+    return out
+
+
+def mixed_precision() -> MixedPrecisionPolicy:
+    """fp32 sharded masters; 16-bit compute when the config asks for it, gradients reduced in fp32."""
+    cfg = state.cfg
+    if cfg.fp16 or cfg.bf16:
+        dtype = torch.float16 if cfg.fp16 else torch.bfloat16
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # outputs: DistributedModel.forward
+    return MixedPrecisionPolicy()
+
+
+def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Module]:
+    """Materialize (if delayed), make replicas equal, and ``fully_shard`` each unit then the root."""
+    mesh = build_mesh()
+    policy = mixed_precision()
+    units = choose_units(root)
+    if not any(t.is_meta for t in root.parameters()):
+        root.to(state.device)  # as at pp = 1: the full model on this rank's device until it is sharded
+    for unit in units:
+        _prepare(root, list(unit.modules()), broadcast_buffers)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    in_units = {id(m) for u in units for m in u.modules()}
+    _prepare(root, [m for m in root.modules() if id(m) not in in_units], broadcast_buffers)
+    check_initialized(root)  # now: a load after sharding goes into the shards, which this check cannot see
+    fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    return units
+
+
+def _prepare(root: nn.Module, modules: list[nn.Module], broadcast_buffers: bool) -> None:
+    """Allocate delayed modules, move them to the device, and copy dp rank 0's values (SMP's replica sync)."""
+    materialize_local(root, modules, state.device)
+    for m in modules:
+        for name, b in m._buffers.items():
+            if b is not None and b.device != state.device:
+                m._buffers[name] = b.to(state.device)
+    own = [t for m in modules for t in m._parameters.values() if t is not None and not _is_dtensor(t)]
+    if broadcast_buffers:
+        own += [b for m in modules for b in m._buffers.values() if b is not None]
+    topo = state.topology
+    if topo.dp_size > 1 and own:
+        unique = list({id(t): t for t in own}.values())
+        grads.broadcast_tensors([t.data for t in unique], topo.group("dp", state.rank)[0], process_group("dp"), topo.dp_size)
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
