@@ -244,15 +244,12 @@ _INTERNAL_KEYS = frozenset(
 NOT_ACTED_ON: frozenset[str] = frozenset(
     {
         "activation_loading_horizon",
-        "prescaled_batch",
         "skip_tracing",
         "fp16_params",
         "horovod",
         "contiguous",
         "static_mode",
         "fast_mode",
-        "tensor_parallel_seed",
-        "optimize",
     }
     | {key for key in SMP_KEYS if key.startswith("sdp_")}
     | _INTERNAL_KEYS
@@ -260,7 +257,6 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
 """SMP keys accepted but not implemented yet; smp.init warns once about those set to a non-default value."""
 
 UNSUPPORTED: dict[str, str] = {
-    "tensor_parallel_degree": "tensor parallelism",
     "sharded_data_parallel_degree": "sharded data parallelism",
 }
 """SMP keys whose non-default value asks for a feature smp_compat lacks: resolve_config raises SMPUnsupportedError."""
@@ -571,6 +567,12 @@ def _check_unsupported(params: Mapping[str, Any]) -> None:
                 f"{key}={params[key]!r} asks for {feature}, which smp_compat does not implement yet; set "
                 f'"{key}": {default!r} (or remove the key) to run without it.'
             )
+    tp, pp = params.get("tensor_parallel_degree", 1), params.get("pipeline_parallel_degree", params.get("partitions", 1))
+    if _is_non_default(tp, 1) and _is_non_default(pp, 1):
+        raise SMPUnsupportedError(
+            f"tensor_parallel_degree={tp!r} with pipeline_parallel_degree={pp!r} (tensor parallelism combined with "
+            "pipeline parallelism) is not implemented yet; use one of them (tp x rdp or pp x dp)."
+        )
 
 
 def resolve_config(

@@ -37,14 +37,17 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tensor_parallel_config: Any) -> Iterator[None]:
     """Create the model with ``dtype`` as default dtype, delayed when the config asks for it (SMP >= 1.10)."""
-    if tensor_parallelism and state.initialized and state.topology.tp_size > 1:
-        raise SMPUnsupportedError("tensor parallelism (smp.model_creation(tensor_parallelism=True))")
+    from smp_compat.nn.registry import tensor_parallelism as tp_context
+
     delayed = bool(state.initialized and state.cfg.delayed_parameter_initialization)
+    if delayed and tensor_parallelism and state.initialized and state.topology.tp_size > 1:
+        raise SMPUnsupportedError("delayed_parameter_initialization together with tensor parallelism")
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
-        with delay_param_initialization(delayed):
+        tp = tp_context(True, **tensor_parallel_config) if tensor_parallelism else contextlib.nullcontext()
+        with delay_param_initialization(delayed), tp:
             yield
     finally:
         torch.set_default_dtype(previous)
