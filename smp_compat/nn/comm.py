@@ -45,10 +45,15 @@ def prescaled() -> bool:
     return bool(state.initialized and state.cfg.prescaled_batch)
 
 
+# torch >= 2.13 renamed the tensor-form collectives; older versions only have the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather_dim0(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((tp_world() * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=tp_group())
+    _ALL_GATHER(out, x, group=tp_group())
     return out
 
 
@@ -58,7 +63,7 @@ def _reduce_scatter_dim0(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] % n:
         raise RuntimeError(f"reduce-scatter over the tp group needs dim 0 ({x.shape[0]}) divisible by {n}")
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=tp_group())
+    _REDUCE_SCATTER(out, x, group=tp_group())
     return out
 
 

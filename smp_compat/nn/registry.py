@@ -39,6 +39,8 @@ class Registration:
 
 
 _registry: dict[type, Registration] = {}
+requested = False
+"""Whether the script asked for tensor parallelism anywhere (for the one log line when nothing is supported)."""
 _local = threading.local()
 _MARK = "_smp_tp_mark"
 _ARGS = "_smp_tp_init_args"
@@ -134,6 +136,8 @@ def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     """Supported modules created inside are marked for tensor parallelism (the innermost context wins);
     ``kwargs`` override same-named constructor arguments of the distributed module."""
     install_builtins()
+    global requested
+    requested = requested or bool(enabled)
     stack = _stack()
     stack.append((bool(enabled), dict(kwargs)))
     try:
@@ -148,6 +152,8 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: An
     install_builtins()
     if not isinstance(module, nn.Module):
         raise SMPConfigError(f"smp.set_tensor_parallelism expects an nn.Module, got {type(module).__name__}.")
+    global requested
+    requested = requested or bool(enabled)
     if not enabled:
         for sub in module.modules():
             sub.__dict__[_MARK] = (False, {})

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from smp_compat.nn.module import DistributedModule
+from smp_compat.nn import registry
 from smp_compat.nn.registry import Registration, init_args_of, install_builtins, lookup, mark_of
 
 __all__ = ["swap_modules", "distributed_modules"]
@@ -28,7 +29,12 @@ def swap_modules(root: nn.Module) -> nn.Module:
     replaced = _maybe_replace(root, "", counts)
     if replaced is not None:
         return replaced
+    before = {id(m) for m in root.modules()}
     _visit(root, "", counts)
+    if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
+        log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
+                    "Hugging Face GPT-2; others via smp.tp_register); it runs with its plain modules",
+                    type(root).__name__)  # fmt: skip
     return root
 
 
