@@ -65,8 +65,8 @@ class Entry:
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
 _Row = tuple  # (name, status, note, action[, group])
 
-_NO_TP = "Tensor parallelism is not implemented (tensor_parallel_degree must be 1)."
-_NO_TP_ACTION = "Remove it: with tp = 1 SMP left the modules unchanged too."
+_TP_PP = "Tensor parallelism at pp = 1 only (tp x rdp); tp > 1 with pp > 1 raises SMPUnsupportedError."
+_TP_PP_ACTION = "Use tensor_parallel_degree with pipeline_parallel_degree 1, or pipeline parallelism without tp."
 
 _API_ROWS: list[tuple[str, list[_Row]]] = [
     ("Initialization and state", [
@@ -83,7 +83,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("StepOutput", _S, "", ""),
     ]),
     ("Model and optimizer", [
-        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented).", ""),
+        ("DistributedModel", _S, "Swaps modules marked for tensor parallelism in place (HF GPT-2 and "
+         "smp.tp_register'd classes); docs/porting.md, Tensor parallelism.", ""),
         ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
          "with fp32 master weights and loss scaling, as SMP.", ""),
     ]),
@@ -92,14 +93,15 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("set_partition", _S, "", ""),
     ]),
     ("Tensor parallelism, model creation, activation checkpointing", [
-        ("tensor_parallelism", _U, _NO_TP, "Remove the with-block (or use contextlib.nullcontext())."),
-        ("set_tensor_parallelism", _U, _NO_TP, _NO_TP_ACTION),
-        ("tp_register", _U, _NO_TP, "Remove the decorator."),
-        ("tp_register_with_module", _U, _NO_TP, _NO_TP_ACTION),
+        ("tensor_parallelism", _P, "Marks supported modules (built in: Hugging Face GPT-2). " + _TP_PP, _TP_PP_ACTION),
+        ("set_tensor_parallelism", _P, _TP_PP, _TP_PP_ACTION),
+        ("tp_register", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
+        ("tp_register_with_module", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
         ("delay_param_initialization", _S, "Modules are created on the meta device; each rank materializes its own "
          "with their reset_parameters() after partitioning.", ""),
-        ("model_creation", _P, "Sets the default dtype and delayed initialization; tensor_parallelism=True raises "
-         "SMPUnsupportedError when tp > 1.", "Keep tensor_parallelism false (tensor_parallel_degree 1)."),
+        ("model_creation", _P, "dtype, delayed initialization and tensor_parallelism (also at tp = 1); delayed "
+         "initialization together with tp > 1 raises SMPUnsupportedError.",
+         "With tp > 1 leave delayed_parameter_initialization off."),
         ("set_activation_checkpointing", _S, "A module spanning pipeline ranks is skipped with a warning, as in SMP.",
          ""),
         ("checkpoint", _S, "", ""),
@@ -111,23 +113,26 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("patches.checkpoint.checkpoint_sequential", _S, "Same function as smp.checkpoint_sequential.", ""),
     ]),
     ("smp.nn, smp.amp, smp.optimizers", [
-        ("nn", _U, "SMP's tensor-parallel and fused modules are not provided.",
-         "Use the torch.nn module the SMP one stands for.", True),
-        ("nn.DistributedLinear", _U, _NO_TP, "Use torch.nn.Linear(in_features, out_features)."),
-        ("nn.DistributedEmbedding", _U, _NO_TP, "Use torch.nn.Embedding."),
-        ("nn.DistributedLayerNorm", _U, _NO_TP, "Use torch.nn.LayerNorm."),
-        ("nn.DistributedModule", _U, _NO_TP, "Subclass torch.nn.Module."),
-        ("nn.DistributedTransformerLMHead", _U, _NO_TP,
-         "Use your model's own transformer (e.g. the Hugging Face model) without tensor parallelism."),
-        ("nn.DistributedTransformer", _U, _NO_TP, "Use a torch.nn transformer stack."),
-        ("nn.DistributedTransformerLayer", _U, _NO_TP, "Use a torch.nn transformer layer."),
-        ("nn.DistributedAttentionLayer", _U, _NO_TP, "Use torch.nn.MultiheadAttention or your own attention."),
-        ("nn.DistributedTransformerOutputLayer", _U, _NO_TP, "Use torch.nn.Linear layers."),
-        ("nn.FlashAttentionLayer", _U, "Not provided.",
-         "Use torch.nn.functional.scaled_dot_product_attention (flash kernels on GPU)."),
-        ("nn.FusedLayerNorm", _U, "Not provided (SMP's needed apex).", "Use torch.nn.LayerNorm."),
-        ("nn.huggingface", _U, "State-dict translation between SMP's tensor-parallel layout and Hugging Face.",
-         "Drop the translation: without smp.nn modules the state dict already has the Hugging Face layout.", True),
+        ("nn", _S, "SMP's tensor-parallel modules (Megatron-style splits over the tp group) and fused stand-ins.",
+         "", True),
+        ("nn.DistributedLinear", _S, "Row-parallel (in_features split), as SMP documents.", ""),
+        ("nn.DistributedEmbedding", _P, "Split over embedding_dim; max_norm, sparse and the _skip_* options raise "
+         "SMPUnsupportedError.", "Leave those options at their defaults."),
+        ("nn.DistributedLayerNorm", _U, "Not in SMP's public API; not provided.", "Use torch.nn.LayerNorm."),
+        ("nn.DistributedModule", _S, "", ""),
+        ("nn.DistributedTransformerLMHead", _P, "Returns the logits; labels and add_cross_attention raise "
+         "SMPUnsupportedError.", "Pass labels=None and compute the loss from the logits."),
+        ("nn.DistributedTransformer", _S, "Layers in seq_layers.", ""),
+        ("nn.DistributedTransformerLayer", _P, "use_alibi raises SMPUnsupportedError.", "Leave use_alibi False."),
+        ("nn.DistributedAttentionLayer", _P, "Heads split over tp; use_alibi raises SMPUnsupportedError.",
+         "Leave use_alibi False."),
+        ("nn.DistributedTransformerOutputLayer", _S, "", ""),
+        ("nn.FlashAttentionLayer", _P, "torch's scaled_dot_product_attention; triton_flash_attention and use_alibi "
+         "raise SMPUnsupportedError.", "Leave those options False."),
+        ("nn.FusedLayerNorm", _S, "torch.nn.LayerNorm (same numerics).", ""),
+        ("nn.huggingface", _P, "gpt2 only (translate_hf_state_dict_to_smdistributed_gpt2, "
+         "translate_state_dict_to_hf_gpt2); GPT-J, GPT-Neo, GPT-NeoX, BERT and RoBERTa are not provided.",
+         "Those models run with their plain modules (no tensor parallelism).", True),
         ("amp", _S, "", ""),
         ("amp.GradScaler", _S, "torch's GradScaler; every pipeline stage skips or steps together.", ""),
         ("optimizers", _U, "SMP's apex-based fused optimizers are not provided.",
@@ -181,7 +186,7 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         ("state_dict", _S, "Collective over the pipeline stages, as in SMP.", ""),
         ("local_state_dict", _S, "", ""),
         ("load_state_dict", _S, "Full or partial dicts; applied after partitioning, as in SMP.", ""),
-        *((name, _S, "Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.", "")
+        *((name, _S, "Distributed and scaled-batch parameters are the tensor-parallel shards.", "")
           for name in (
             "distributed_modules", "is_distributed_parameter", "is_distributed_buffer", "is_scaled_batch_parameter",
             "is_scaled_batch_buffer", "default_reducer_named_parameters", "scaled_batch_reducer_named_parameters",
@@ -249,8 +254,6 @@ _CONFIG_ADVICE: dict[str, str] = {
     "offload_activations": "Remove it: activations stay on the device.",
     "activation_loading_horizon": "Remove it (only used with offload_activations).",
     "delayed_parameter_initialization": "Remove it: parameters are created when the module is.",
-    "prescaled_batch": "Remove it (only meaningful with tensor parallelism).",
-    "optimize": "Nothing to do: it only tuned SMP's tensor-parallel layers.",
     "skip_tracing": "Nothing to do: the partitioner still traces at pp > 1.",
     "horovod": "Remove it and use ddp: True for data parallelism.",
 }

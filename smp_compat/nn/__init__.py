@@ -17,3 +17,5 @@ __all__ = [
     "DistributedTransformer", "DistributedTransformerLayer", "DistributedAttentionLayer",
     "DistributedTransformerOutputLayer", "FusedLayerNorm", "FlashAttentionLayer",
 ]  # fmt: skip
+
+from smp_compat.nn import huggingface  # noqa: E402 - after the modules it builds on
