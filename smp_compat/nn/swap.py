@@ -35,6 +35,7 @@ def swap_modules(root: nn.Module) -> nn.Module:
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
                     "Hugging Face GPT-2; others via smp.tp_register); it runs with its plain modules",
                     type(root).__name__)  # fmt: skip
+    registry.requested = False  # consumed: one model per process, and tests that build several stay independent
     return root
 
 
