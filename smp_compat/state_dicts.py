@@ -341,6 +341,10 @@ def load_model_state(
 
 
 def _prepare_full(model: Any, sd: Mapping[str, Any], translate: Callable[..., Any] | None) -> Mapping[str, Any]:
+    if translate is None and PARTIAL_KEY not in sd:  # a swapped HF model takes HF checkpoints as they are
+        from smp_compat.nn.huggingface import from_hf_translator
+
+        translate = from_hf_translator(model.module, sd)
     if translate is not None and PARTIAL_KEY not in sd:
         sd = translate(sd)
     sd = strip_markers(sd)

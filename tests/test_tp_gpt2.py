@@ -116,3 +116,38 @@ def test_translate_round_trip_and_mask_buffers() -> None:
         assert torch.equal(back[k], v), k
     with_buffers = gpt2.translate_state_dict_to_hf_gpt2(ours, max_seq_len=tm.SEQ)
     assert with_buffers["transformer.h.0.attn.bias"].shape == (1, 1, tm.SEQ, tm.SEQ)
+
+
+def _full_checkpoint(path: str) -> dict:
+    import smp_compat as smp
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        hf = transformers.GPT2LMHeadModel(_config())
+    model = smp.DistributedModel(hf)
+    ids = tm.my_samples(smp, tm.batches(1)[0])
+    model(input_ids=ids)  # partitions (pp = 1)
+    before = {k: v.clone() for k, v in model.local_state_dict().items() if isinstance(v, torch.Tensor)}
+    smp.save_checkpoint(path, "full", partial=False, model=model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    smp.resume_from_checkpoint(path, tag="full", partial=False)  # an HF-format file: translated back, then cut to shards
+    after = model.local_state_dict()
+    return {"restored": all(torch.equal(after[k], v) for k, v in before.items())}
+
+
+def test_full_checkpoint_is_stock_hf_and_resumes(tmp_path) -> None:
+    results = run_ranks(_full_checkpoint, 2, str(tmp_path), timeout=180)
+    assert all(r["restored"] for r in results)
+    saved = torch.load(tmp_path / "full", weights_only=True)
+    torch.manual_seed(0)
+    stock = transformers.GPT2LMHeadModel(_config())
+    stock.load_state_dict(saved, strict=True)  # save_checkpoint(partial=False) wrote Hugging Face's format
+    for name, value in transformers.GPT2LMHeadModel(_config()).state_dict().items():
+        assert saved[name].shape == value.shape
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(_config()).state_dict()
+    for name, value in reference.items():
+        torch.testing.assert_close(saved[name], value)  # the untrained model: same seed, same weights
