@@ -40,8 +40,6 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
     from smp_compat.nn.registry import tensor_parallelism as tp_context
 
     delayed = bool(state.initialized and state.cfg.delayed_parameter_initialization)
-    if delayed and tensor_parallelism and state.initialized and state.topology.tp_size > 1:
-        raise SMPUnsupportedError("delayed_parameter_initialization together with tensor parallelism")
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
@@ -85,6 +83,7 @@ def replace_in_place(t: torch.Tensor, data: torch.Tensor) -> None:
     """
     if isinstance(t, nn.Parameter):
         data = nn.Parameter(data, requires_grad=t.requires_grad)
+    data.__dict__.update(t.__dict__)  # swap_tensors swaps __dict__ too: keep markers such as a tp shard's dim
     torch.utils.swap_tensors(t, data)
 
 

@@ -99,9 +99,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("tp_register_with_module", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
         ("delay_param_initialization", _S, "Modules are created on the meta device; each rank materializes its own "
          "with their reset_parameters() after partitioning.", ""),
-        ("model_creation", _P, "dtype, delayed initialization and tensor_parallelism (also at tp = 1); delayed "
-         "initialization together with tp > 1 raises SMPUnsupportedError.",
-         "With tp > 1 leave delayed_parameter_initialization off."),
+        ("model_creation", _S, "dtype, delayed initialization (each rank materializes only its tensor-parallel "
+         "shards) and tensor_parallelism (the swap happens at tp = 1 too, as in SMP).", ""),
         ("set_activation_checkpointing", _S, "A module spanning pipeline ranks is skipped with a warning, as in SMP.",
          ""),
         ("checkpoint", _S, "", ""),

@@ -113,3 +113,34 @@ def test_partial_save_names_and_full_state_dict_round_trip(tmp_path) -> None:
         assert r["files"] == ["ckpt.pt_0_0.pt", "ckpt.pt_0_1.pt"]  # {f}_{pp_rank}_{tp_rank}.pt (SMP >= 1.10)
         assert r["restored"] and r["full_restored"]
         assert r["full_shape"] == (tm.HIDDEN, tm.HIDDEN) and r["local_shape"] == (tm.HIDDEN, tm.HIDDEN // 2)
+
+
+def _delayed(tp: int) -> dict:
+    transformers = pytest.importorskip("transformers")
+    import smp_compat as smp
+
+    smp.init({"tensor_parallel_degree": tp, "ddp": True, "delayed_parameter_initialization": True})
+    config = transformers.GPT2Config(vocab_size=tm.VOCAB, n_positions=tm.SEQ, n_embd=tm.HIDDEN, n_layer=2,
+                                     n_head=tm.HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        hf = transformers.GPT2LMHeadModel(config)
+    meta_before = all(p.is_meta for p in hf.parameters())
+    model = smp.DistributedModel(hf)
+    torch.manual_seed(5)  # materialization draws from the global RNG at partitioning, on every rank alike
+    ids = tm.batches(1)[0]
+    model(input_ids=ids)  # pp = 1: the first forward partitions and materializes
+    return {"meta_before": meta_before, "local": sum(p.numel() for p in model.parameters()),
+            "full": {k: v.clone() for k, v in model.state_dict().items()}}  # fmt: skip
+
+
+def test_delayed_initialization_materializes_only_the_shards() -> None:
+    tp2 = run_ranks(_delayed, 2, 2, timeout=180)
+    tp1 = run_ranks(_delayed, 1, 1, timeout=120)[0]
+    assert tp1["meta_before"] and all(r["meta_before"] for r in tp2)
+    for r in tp2:
+        h = tm.HIDDEN
+        sharded_per_layer = 4 * h * h + 3 * h + 2 * 4 * h * h + 4 * h  # q/k/v (+bias), dense, fc1 (+bias), fc2
+        assert r["local"] == tp1["local"] - 2 * sharded_per_layer // 2  # only this rank's shards were allocated
+        for name, value in tp1["full"].items():  # same RNG draws: whole tensors, then slices
+            torch.testing.assert_close(r["full"][name], value, msg=lambda m: f"{name}: {m}")

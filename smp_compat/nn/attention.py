@@ -117,6 +117,7 @@ class DistributedAttentionLayer(DistributedModule):
         self.pre_layernorm, self.post_layernorm = pre_layernorm, post_layernorm
         inner = num_attention_heads * attention_head_size
         normal = use_normal_initialization
+        self._init = (inner, normal, initializer_range)
         q, k, v = (full_linear(hidden_size, inner, normal, initializer_range) for _ in range(3))
         dense = full_linear(inner, hidden_size, normal, initializer_range)
         self.query_weight, self.query_bias = shard(q.weight.data, 0), shard(q.bias.data, 0)
@@ -128,6 +129,18 @@ class DistributedAttentionLayer(DistributedModule):
         layer_scale = float(layer_idx + 1) if scale_attn_by_layer_idx and layer_idx is not None else 1.0
         self.math = AttentionMath(attention_head_size, attention_dropout_prob, scale_attention_scores, layer_scale,
                                   {**flags, "layer_idx": layer_idx})  # fmt: skip
+
+    def reset_parameters(self) -> None:
+        """Delayed initialization: whole tensors from the global RNG as in the constructor, then this rank's slices."""
+        inner, normal, std = self._init
+        full = [full_linear(self.hidden_size, inner, normal, std) for _ in range(3)] + [full_linear(inner, self.hidden_size, normal, std)]
+        with torch.no_grad():
+            for (w, b), layer in zip(((self.query_weight, self.query_bias), (self.key_weight, self.key_bias),
+                                      (self.value_weight, self.value_bias)), full):  # fmt: skip
+                w.copy_(shard(layer.weight.data, 0))
+                b.copy_(shard(layer.bias.data, 0))
+            self.dense_weight.copy_(shard(full[3].weight.data, 1))
+            self.dense_bias.copy_(full[3].bias.data)
 
     def _heads(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         n, s = x.shape[:2]

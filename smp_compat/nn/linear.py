@@ -28,6 +28,13 @@ class DistributedLinear(DistributedModule):
         self.weight = shard(full.weight.data, dim=1)
         self.bias = nn.Parameter(full.bias.data.clone())
 
+    def reset_parameters(self) -> None:
+        """Delayed initialization: a whole ``nn.Linear`` from the global RNG, then this rank's columns."""
+        full = nn.Linear(self.in_features, self.out_features)
+        with torch.no_grad():
+            self.weight.copy_(shard(full.weight.data, dim=1))
+            self.bias.copy_(full.bias.data)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = comm.enter_region(x)
         start = comm.tp_index() * self.local_in_features
@@ -64,11 +71,20 @@ class DistributedEmbedding(DistributedModule):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.scale_grad_by_freq = padding_idx, scale_grad_by_freq
         self.local_embedding_dim = divide(embedding_dim, "DistributedEmbedding embedding_dim")
+        self.initializer_range = initializer_range
         if _weight is None:
             _weight = torch.empty(num_embeddings, embedding_dim).normal_(0.0, initializer_range)
             if padding_idx is not None:
                 _weight[padding_idx].zero_()
         self.weight = shard(_weight, dim=1)
+
+    def reset_parameters(self) -> None:
+        """Delayed initialization: the whole table from the global RNG, then this rank's columns."""
+        full = torch.empty(self.num_embeddings, self.embedding_dim).normal_(0.0, self.initializer_range)
+        if self.padding_idx is not None:
+            full[self.padding_idx].zero_()
+        with torch.no_grad():
+            self.weight.copy_(shard(full, dim=1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if comm.prescaled():

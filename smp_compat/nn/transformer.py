@@ -64,12 +64,24 @@ class DistributedTransformerOutputLayer(DistributedModule):
         divide(intermediate_size, "intermediate_size")
         self.act = activation_fn(activation)
         self.pre_layernorm, self.post_layernorm, self.fp32_residual_addition = pre_layernorm, post_layernorm, fp32_residual_addition
+        self._init = (use_normal_initialization, initializer_range)
         d1 = full_linear(hidden_size, intermediate_size, use_normal_initialization, initializer_range)
         d2 = full_linear(intermediate_size, hidden_size, use_normal_initialization, initializer_range)
         self.dense1_weight, self.dense1_bias = shard(d1.weight.data, 0), shard(d1.bias.data, 0)
         self.dense2_weight, self.dense2_bias = shard(d2.weight.data, 1), nn.Parameter(d2.bias.data.clone())
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.dropout = nn.Dropout(hidden_dropout_prob)
+
+    def reset_parameters(self) -> None:
+        """Delayed initialization: whole tensors from the global RNG as in the constructor, then this rank's slices."""
+        normal, std = self._init
+        d1 = full_linear(self.hidden_size, self.intermediate_size, normal, std)
+        d2 = full_linear(self.intermediate_size, self.hidden_size, normal, std)
+        with torch.no_grad():
+            self.dense1_weight.copy_(shard(d1.weight.data, 0))
+            self.dense1_bias.copy_(shard(d1.bias.data, 0))
+            self.dense2_weight.copy_(shard(d2.weight.data, 1))
+            self.dense2_bias.copy_(d2.bias.data)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         x = self.layernorm(inp) if self.pre_layernorm else inp
