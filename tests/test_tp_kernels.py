@@ -68,12 +68,12 @@ def test_smp_nn_modules_equal_torch_at_tp1() -> None:
 def test_unsupported_hf_model_falls_back_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     transformers = pytest.importorskip("transformers")
     smp.init({})
-    config = transformers.BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=16)  # fmt: skip
+    config = transformers.GPTNeoConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                                       attention_types=[[["global"], 1]])  # fmt: skip
     with smp.tensor_parallelism():
-        bert = transformers.BertModel(config)
+        neo = transformers.GPTNeoModel(config)
     with caplog.at_level(logging.WARNING, logger="smp_compat"):
-        model = smp.DistributedModel(bert)
-    assert model.get_module() is bert and not model.distributed_modules()
+        model = smp.DistributedModel(neo)
+    assert model.get_module() is neo and not model.distributed_modules()
     lines = [r.getMessage() for r in caplog.records if "tensor parallelism" in r.getMessage()]
-    assert len(lines) == 1 and "BertModel has no supported module" in lines[0]
+    assert len(lines) == 1 and "GPTNeoModel has no supported module" in lines[0]

@@ -46,7 +46,7 @@ class AttentionMath:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool, training: bool) -> torch.Tensor:  # fmt: skip
-        """q, k, v: [N, heads, S, d]; ``mask`` additive, broadcastable to [N, heads, S, S_k]. Returns [N, heads, S, d]."""
+        """q, k, v: [N, heads, S, d]; ``mask`` additive, broadcastable to [N, heads, S, S_k] -> [N, heads, S, d]."""
         p = self.dropout if training else 0.0
         if causal:
             mask = _add_causal(mask, q.shape[-2], k.shape[-2], q.dtype, q.device)
@@ -71,10 +71,14 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, layer_scali
     return scores * layer_scaling if layer_scaling > 1 else scores
 
 
-def _add_causal(mask: torch.Tensor | None, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _add_causal(
+    mask: torch.Tensor | None, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The additive causal mask, combined with ``mask`` (clamped so two masks never sum to -inf)."""
+    lowest = torch.finfo(dtype).min
     causal = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)
-    additive = torch.zeros(s_q, s_k, dtype=dtype, device=device).masked_fill(~causal, torch.finfo(dtype).min)
-    return additive if mask is None else torch.maximum(mask + additive, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
+    additive = torch.zeros(s_q, s_k, dtype=dtype, device=device).masked_fill(~causal, lowest)
+    return additive if mask is None else torch.clamp(mask + additive, min=lowest)
 
 
 class DistributedAttentionLayer(DistributedModule):
@@ -111,7 +115,8 @@ class DistributedAttentionLayer(DistributedModule):
             raise SMPUnsupportedError("ALiBi attention (use_alibi=True) in smp.nn attention layers")
         if not (pre_layernorm or post_layernorm):
             raise ValueError("DistributedAttentionLayer needs pre_layernorm or post_layernorm (or both) True")
-        self.num_attention_heads, self.attention_head_size, self.hidden_size = num_attention_heads, attention_head_size, hidden_size
+        self.num_attention_heads, self.attention_head_size = num_attention_heads, attention_head_size
+        self.hidden_size = hidden_size
         self.local_heads = divide(num_attention_heads, "num_attention_heads")
         self.cross_attention, self.causal_mask_size = cross_attention, causal_mask_size
         self.pre_layernorm, self.post_layernorm = pre_layernorm, post_layernorm
@@ -133,7 +138,8 @@ class DistributedAttentionLayer(DistributedModule):
     def reset_parameters(self) -> None:
         """Delayed initialization: whole tensors from the global RNG as in the constructor, then this rank's slices."""
         inner, normal, std = self._init
-        full = [full_linear(self.hidden_size, inner, normal, std) for _ in range(3)] + [full_linear(inner, self.hidden_size, normal, std)]
+        full = [full_linear(self.hidden_size, inner, normal, std) for _ in range(3)]
+        full.append(full_linear(inner, self.hidden_size, normal, std))
         with torch.no_grad():
             for (w, b), layer in zip(((self.query_weight, self.query_bias), (self.key_weight, self.key_bias),
                                       (self.value_weight, self.value_bias)), full):  # fmt: skip
@@ -154,7 +160,7 @@ class DistributedAttentionLayer(DistributedModule):
         x = self.layernorm(hidden) if self.pre_layernorm else hidden
         x_all = comm.enter_region(x)
         kv_all = x_all if cross is None else comm.enter_region(cross)
-        mask_all = comm.gather_batch_nograd(mask)
+        mask_all = comm.gather_mask(mask, x.shape[0], x.shape[1], kv_all.shape[1], x.dtype)
         q = self._heads(x_all, self.query_weight, self.query_bias)
         k = self._heads(kv_all, self.key_weight, self.key_bias)
         v = self._heads(kv_all, self.value_weight, self.value_bias)
@@ -187,16 +193,21 @@ class FlashAttentionLayer(nn.Module):
         if triton_flash_attention or use_alibi:
             raise SMPUnsupportedError("FlashAttentionLayer with triton_flash_attention or use_alibi (Triton kernels)")
         self.dropout = attention_dropout_prob
-        self.attention_head_size, self.scale_attention_scores, self.scale = attention_head_size, scale_attention_scores, scale
+        self.attention_head_size, self.scale = attention_head_size, scale
+        self.scale_attention_scores = scale_attention_scores
         self.layer_divisor = float(layer_idx + 1) if scale_attn_by_layer_idx and layer_idx is not None else 1.0
 
     def forward(self, qkv: torch.Tensor, attn_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
         head = self.attention_head_size or q.shape[-1]
-        scale = self.scale if self.scale is not None else (1.0 / math.sqrt(head) if self.scale_attention_scores else 1.0)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+        scale = self.scale
+        if scale is None:
+            scale = 1.0 / math.sqrt(head) if self.scale_attention_scores else 1.0
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # True = attend, as in torch's SDPA
+            zeros = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+            attn_mask = zeros.masked_fill(~attn_mask, torch.finfo(q.dtype).min)
         if causal:
             attn_mask = _add_causal(attn_mask, q.shape[-2], k.shape[-2], q.dtype, q.device)
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, scale=scale / self.layer_divisor)
+        scale = scale / self.layer_divisor
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, scale=scale)

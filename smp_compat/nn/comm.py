@@ -187,6 +187,19 @@ def exit_region(x: torch.Tensor) -> torch.Tensor:
     return reduce_from_tp(x) if prescaled() else scatter_batch(x)
 
 
+def gather_mask(mask: torch.Tensor | None, batch: int, s_q: int, s_k: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """An additive attention mask following the batch into the region. Peers may differ in whether they have a
+    mask at all (Hugging Face drops it when a batch has no padding) or in its broadcast shape, so under the
+    default batch layout every rank sends a full ``[B, 1, S_q, S_k]`` one."""
+    if prescaled() or not _active():
+        return mask
+    device = mask.device if mask is not None else state.device
+    full = torch.zeros(batch, 1, s_q, s_k, dtype=dtype, device=device)
+    if mask is not None:
+        full = full + mask.to(dtype)
+    return _all_gather_dim0(full)
+
+
 def gather_batch_nograd(x: torch.Tensor | None) -> torch.Tensor | None:
     """A non-differentiable input (ids, masks) following the batch into the region."""
     if x is None or prescaled() or not _active():

@@ -64,8 +64,9 @@ class DistributedEmbedding(DistributedModule):
         _skip_scatter_and_merge: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("max_norm", max_norm), ("sparse", sparse or None), ("_skip_allgather", _skip_allgather or None),
-                            ("_skip_scatter_and_merge", _skip_scatter_and_merge or None)):  # fmt: skip
+        options = {"max_norm": max_norm, "sparse": sparse or None, "_skip_allgather": _skip_allgather or None,
+                   "_skip_scatter_and_merge": _skip_scatter_and_merge or None}  # fmt: skip
+        for name, value in options.items():
             if value is not None:
                 raise SMPUnsupportedError(f"smp.nn.DistributedEmbedding({name}={value!r})")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim

@@ -88,4 +88,6 @@ def check_flags(owner: str, flags: dict[str, object]) -> None:
     """Unknown keyword arguments are a TypeError, as for any Python constructor."""
     unknown = sorted(set(flags) - KERNEL_FLAGS)
     if unknown:
-        raise TypeError(f"{owner}() got unexpected keyword arguments {unknown}; known extra flags: {sorted(KERNEL_FLAGS)}")
+        raise TypeError(
+            f"{owner}() got unexpected keyword arguments {unknown}; known extra flags: {sorted(KERNEL_FLAGS)}"
+        )

@@ -92,7 +92,7 @@ def tp_register_with_module(
     module_cls: type, dist_module: type, init_hook: Hook | None = None, forward_hook: Hook | None = None,
     return_hook: Hook | None = None,
 ) -> None:  # fmt: skip
-    """Register ``dist_module`` (an ``smp.nn.DistributedModule`` subclass) as the tensor-parallel version of ``module_cls``."""
+    """Register ``dist_module`` (an ``smp.nn.DistributedModule`` subclass) as the tp version of ``module_cls``."""
     from smp_compat.nn.module import DistributedModule
 
     if not (isinstance(dist_module, type) and issubclass(dist_module, DistributedModule)):
@@ -126,9 +126,9 @@ def register_builtin(module_cls: type, build: Callable[[nn.Module, dict[str, Any
 def install_builtins() -> None:
     """Register the Hugging Face models we support, if the script uses transformers (never import it ourselves)."""
     if "transformers" in sys.modules:
-        from smp_compat.nn.huggingface import gpt2
+        from smp_compat.nn.huggingface import register_all
 
-        gpt2.register()
+        register_all()
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def swap_modules(root: nn.Module) -> nn.Module:
     _visit(root, "", counts)
     if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
-                    "Hugging Face GPT-2; others via smp.tp_register); it runs with its plain modules",
+                    "Hugging Face GPT-2, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
                     type(root).__name__)  # fmt: skip
     registry.requested = False  # consumed: one model per process, and tests that build several stay independent
     return root
@@ -54,6 +54,7 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
     registration = lookup(type(module))
     if registration is None or mark is None or not mark[0]:
         return None
+    registry.requested = False  # a supported module was found: no "nothing supported" line for this model
     where = f"{path or '<root>'} ({type(module).__name__})"
     if registration.build is not None:
         try:

@@ -31,7 +31,9 @@ _ACTIVATIONS = {
 
 def activation_fn(name: str) -> Any:
     if name not in _ACTIVATIONS:
-        raise SMPUnsupportedError(f"activation {name!r} in smp.nn transformer layers (use one of {sorted(_ACTIVATIONS)})")
+        raise SMPUnsupportedError(
+            f"activation {name!r} in smp.nn transformer layers (use one of {sorted(_ACTIVATIONS)})"
+        )
     return _ACTIVATIONS[name]
 
 
@@ -40,7 +42,7 @@ def _residual(a: torch.Tensor, b: torch.Tensor, in_fp32: bool) -> torch.Tensor:
 
 
 class DistributedTransformerOutputLayer(DistributedModule):
-    """The MLP half of a transformer layer: ``dense1`` (H -> I, column-parallel), activation, ``dense2`` (row-parallel)."""
+    """The MLP half of a layer: ``dense1`` (H -> I, column-parallel), activation, ``dense2`` (row-parallel)."""
 
     def __init__(
         self,
@@ -63,7 +65,8 @@ class DistributedTransformerOutputLayer(DistributedModule):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         divide(intermediate_size, "intermediate_size")
         self.act = activation_fn(activation)
-        self.pre_layernorm, self.post_layernorm, self.fp32_residual_addition = pre_layernorm, post_layernorm, fp32_residual_addition
+        self.pre_layernorm, self.post_layernorm = pre_layernorm, post_layernorm
+        self.fp32_residual_addition = fp32_residual_addition
         self._init = (use_normal_initialization, initializer_range)
         d1 = full_linear(hidden_size, intermediate_size, use_normal_initialization, initializer_range)
         d2 = full_linear(intermediate_size, hidden_size, use_normal_initialization, initializer_range)
@@ -219,9 +222,10 @@ class DistributedTransformerLMHead(DistributedModule):
             raise SMPUnsupportedError("DistributedTransformerLMHead(add_cross_attention=True)")
         self.word_embedding = DistributedEmbedding(vocab_size, hidden_size, initializer_range=initializer_range)
         self.position_embedding = DistributedEmbedding(num_positions, hidden_size, initializer_range=initializer_range)
-        self.token_type_embedding = (
-            DistributedEmbedding(num_token_types, hidden_size, initializer_range=initializer_range) if num_token_types else None
-        )
+        self.token_type_embedding = None
+        if num_token_types:
+            self.token_type_embedding = DistributedEmbedding(num_token_types, hidden_size,
+                                                             initializer_range=initializer_range)  # fmt: skip
         self.dropout = nn.Dropout(hidden_dropout_prob)
         self.transformer = DistributedTransformer(
             num_layers, num_attention_heads, attention_head_size, hidden_size, intermediate_size, attention_dropout_prob,

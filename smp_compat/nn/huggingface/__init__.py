@@ -11,24 +11,39 @@ from typing import Any
 
 from torch import nn
 
-from smp_compat.nn.huggingface import gpt2
+from smp_compat.nn.huggingface import bert, gpt2, roberta
 
-__all__ = ["gpt2", "to_hf_format", "from_hf_translator"]
+__all__ = ["bert", "gpt2", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
 
-_HF_BLOCK = re.compile(r"(^|\.)h\.\d+\.")
+# swapped class -> (to HF, from HF, a key pattern only HF's layout has)
+_TRANSLATORS = (
+    (gpt2.DistributedGPT2Model, gpt2.translate_state_dict_to_hf_gpt2,
+     gpt2.translate_hf_state_dict_to_smdistributed_gpt2, re.compile(r"(^|\.)h\.\d+\.")),
+    (bert.DistributedBertEncoder, bert.translate_state_dict_to_hf_bert,
+     bert.translate_hf_state_dict_to_smdistributed_bert, re.compile(r"(^|\.)encoder\.layer\.\d+\.")),
+)  # fmt: skip
 
 
-def _has_swapped_gpt2(root: nn.Module) -> bool:
-    return any(isinstance(m, gpt2.DistributedGPT2Model) for m in root.modules())
+def register_all() -> None:
+    """Register the built-in swaps of the Hugging Face models the installed transformers has."""
+    gpt2.register()
+    bert.register()
+
+
+def _swapped(root: nn.Module) -> list[tuple[Any, ...]]:
+    return [t for t in _TRANSLATORS if any(isinstance(m, t[0]) for m in root.modules())]
 
 
 def to_hf_format(root: nn.Module, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     """``save_checkpoint(partial=False, translate_if_full=True)``: a swapped model's full dict in HF's format."""
-    return gpt2.translate_state_dict_to_hf_gpt2(state_dict) if _has_swapped_gpt2(root) else state_dict
+    for _, to_hf, _, _ in _swapped(root):
+        state_dict = to_hf(state_dict)
+    return state_dict
 
 
 def from_hf_translator(root: nn.Module, state_dict: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Any] | None:
     """The translation a full HF checkpoint needs to load into a swapped model (SMP: "not required" for them)."""
-    if _has_swapped_gpt2(root) and any(_HF_BLOCK.search(k) for k in state_dict):
-        return gpt2.translate_hf_state_dict_to_smdistributed_gpt2
+    for _, _, from_hf, hf_key in _swapped(root):
+        if any(hf_key.search(k) for k in state_dict):
+            return from_hf
     return None

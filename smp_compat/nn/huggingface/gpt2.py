@@ -157,21 +157,25 @@ def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, Any])
     return _translate(state_dict, "h.", "seq_layers.", _hf_block_to_smp)
 
 
-def translate_state_dict_to_hf_gpt2(state_dict: Mapping[str, Any], max_seq_len: int | None = None) -> OrderedDict[str, Any]:
+def translate_state_dict_to_hf_gpt2(
+    state_dict: Mapping[str, Any], max_seq_len: int | None = None
+) -> OrderedDict[str, Any]:
     """The full state dict of the swapped model -> stock HF GPT-2 names and layouts. ``max_seq_len`` adds the
     causal-mask buffers (``attn.bias``, ``attn.masked_bias``) that Hugging Face versions before 4.32 kept."""
     out = _translate(state_dict, "seq_layers.", "h.", _smp_block_to_hf)
     if max_seq_len is not None:
         for key in [k for k in out if k.endswith(".attn.c_attn.weight")]:
             base = key[: -len("c_attn.weight")]
-            out[base + "bias"] = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
+            causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool))
+            out[base + "bias"] = causal.view(1, 1, max_seq_len, max_seq_len)
             out[base + "masked_bias"] = torch.tensor(-1e4)
     return out
 
 
 def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    known = set(_layer_kwargs(module.config)) | {"fused_softmax", "fused_bias_gelu", "fused_dropout", "flash_attention",
-                                                  "query_key_layer_scaling", "fp32_residual_addition", "attention_in_fp32"}  # fmt: skip
+    from smp_compat.nn.module import KERNEL_FLAGS
+
+    known = set(_layer_kwargs(module.config)) | (KERNEL_FLAGS - {"distribute_embedding", "zero_init", "layer_idx"})
     ignored = {"use_alibi": False, "distribute_embedding": False, "zero_init": False}
     bad = {k: v for k, v in overrides.items() if k in ignored and v != ignored[k]}
     if bad:
