@@ -15,7 +15,7 @@ from torch import nn
 
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn import registry
-from smp_compat.nn.registry import Registration, init_args_of, install_builtins, lookup, mark_of
+from smp_compat.nn.registry import Registration, init_args_of, lookup, mark_of
 
 __all__ = ["swap_modules", "distributed_modules"]
 
@@ -23,8 +23,11 @@ log = logging.getLogger("smp_compat")
 
 
 def swap_modules(root: nn.Module) -> nn.Module:
-    """Replace every outermost marked, supported module under ``root``; return the (possibly new) root."""
-    install_builtins()
+    """Replace every outermost marked, supported module under ``root``; return the (possibly new) root.
+
+    Built-in registrations are not installed here: a module can only be marked once they are (by the
+    tensor_parallelism context or set_tensor_parallelism), so scripts without tp never import HF models.
+    """
     counts = _param_use_counts(root)
     replaced = _maybe_replace(root, "", counts)
     if replaced is not None:
