@@ -151,3 +151,27 @@ def test_full_checkpoint_is_stock_hf_and_resumes(tmp_path) -> None:
     reference = transformers.GPT2LMHeadModel(_config()).state_dict()
     for name, value in reference.items():
         torch.testing.assert_close(saved[name], value)  # the untrained model: same seed, same weights
+
+
+def _tp1_flags() -> float:
+    import smp_compat as smp
+
+    smp.init({})
+    flags = dict(attention_in_fp32=False, query_key_layer_scaling=True, fused_softmax=True, fused_bias_gelu=True,
+                 flash_attention=True, fp32_residual_addition=True)  # what AWS's GPT-2 script passes  # fmt: skip
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True, **flags):
+        hf = transformers.GPT2LMHeadModel(_config())
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(_config())
+    model = smp.DistributedModel(hf)
+    assert model.get_module().transformer.seq_layers[0].attention.math.flash
+    ids = tm.batches(1)[0]
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=_mask(ids)).logits
+        theirs = plain(input_ids=ids, attention_mask=_mask(ids)).logits
+    return (ours - theirs).abs().max().item()
+
+
+def test_gpt2_with_aws_script_kernel_flags_keeps_the_numerics() -> None:
+    assert run_ranks(_tp1_flags, 1, timeout=60)[0] < 1e-5
