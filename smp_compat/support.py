@@ -130,8 +130,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("nn.FlashAttentionLayer", _P, "torch's scaled_dot_product_attention; triton_flash_attention and use_alibi "
          "raise SMPUnsupportedError.", "Leave those options False."),
         ("nn.FusedLayerNorm", _S, "torch.nn.LayerNorm (same numerics).", ""),
-        ("nn.huggingface", _P, "gpt2, bert and roberta (swaps and translate functions); GPT-J, GPT-Neo and GPT-NeoX "
-         "are not provided.", "Those models run with their plain modules (no tensor parallelism).", True),
+        ("nn.huggingface", _P, "gpt2 (with get_hf_gpt2_transformer_layer_hooks), bert and roberta (swaps and translate "
+         "functions); GPT-J, GPT-Neo and GPT-NeoX are not provided.", "Those models run with their plain modules (no tensor parallelism).", True),
         ("amp", _S, "", ""),
         ("amp.GradScaler", _S, "torch's GradScaler; every pipeline stage skips or steps together.", ""),
         ("optimizers", _U, "SMP's apex-based fused optimizers are not provided.",

@@ -175,3 +175,42 @@ def _tp1_flags() -> float:
 
 def test_gpt2_with_aws_script_kernel_flags_keeps_the_numerics() -> None:
     assert run_ranks(_tp1_flags, 1, timeout=60)[0] < 1e-5
+
+
+def _block_hooks() -> dict:
+    import smp_compat as smp
+    from smp_compat.nn.huggingface import gpt2
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    smp.tp_register_with_module(GPT2Block, smp.nn.DistributedTransformerLayer, *gpt2.get_hf_gpt2_transformer_layer_hooks())
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(_config())
+    weights = gpt2._translate(hf.state_dict(), "h.", "h.", gpt2._hf_block_to_smp)  # HF blocks -> layer names
+    for block in hf.transformer.h:
+        smp.set_tensor_parallelism(block)
+    model = smp.DistributedModel(hf)
+    model.load_state_dict(weights)  # dist modules re-initialize (as in SMP): load the HF weights after wrapping
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+    kinds = [type(b).__name__ for b in model.get_module().transformer.h]
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = _hf_loss(model, ids)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for ids in tm.batches():
+        opt.zero_grad()
+        losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
+        opt.step()
+    return {"losses": losses, "kinds": kinds}
+
+
+def test_gpt2_blocks_registered_with_the_library_hooks() -> None:
+    results = run_ranks(_block_hooks, 2, timeout=180)
+    ref_losses, _ = _reference()
+    assert results[0]["kinds"] == ["DistributedTransformerLayer"] * LAYERS
+    torch.testing.assert_close(torch.tensor([r["losses"] for r in results]).mean(0), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip

@@ -193,6 +193,30 @@ def register() -> None:
 
 
 def get_hf_gpt2_transformer_layer_hooks() -> tuple[Any, Any, Any]:
-    """SMP's helper for registering ``GPT2Block -> DistributedTransformerLayer`` by hand: not provided."""
-    raise SMPUnsupportedError("smp.nn.huggingface.gpt2.get_hf_gpt2_transformer_layer_hooks (GPT2Block-level "
-                              "registration); the whole GPT2Model is swapped automatically instead")  # fmt: skip
+    """``(init_hook, forward_hook, return_hook)`` for ``tp_register_with_module(GPT2Block,
+    smp.nn.DistributedTransformerLayer, *hooks)`` (Hugging Face 5's ``GPT2Block`` signature). Mark the blocks
+    with ``smp.set_tensor_parallelism(block)`` so the whole ``GPT2Model`` is not swapped instead."""
+
+    def init_hook(config: Any, layer_idx: int | None = None) -> tuple[tuple, dict[str, Any]]:
+        kwargs = _layer_kwargs(config)
+        del kwargs["num_layers"]
+        return (), {**kwargs, "layer_idx": layer_idx}
+
+    def forward_hook(hidden_states: torch.Tensor, past_key_values: Any = None, attention_mask: Any = None,
+                     encoder_hidden_states: Any = None, encoder_attention_mask: Any = None, use_cache: Any = False,
+                     **_: Any) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
+        # HF hands every block a cache when use_cache is on (its default, also in training); the layer does not
+        # fill it, so a cache that already holds tokens (the second generation step) is refused, never misused
+        cached = past_key_values is not None and past_key_values.get_seq_length() > 0
+        if cached or encoder_hidden_states is not None:
+            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in a tensor-parallel GPT2Block")
+        mask = attention_mask
+        if mask is not None and mask.dtype == torch.bool:  # HF's 4-D mask: True = attend
+            zeros = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device)
+            mask = zeros.masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
+        return ((hidden_states, mask),), {}
+
+    def return_hook(output: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return output[0]
+
+    return init_hook, forward_hook, return_hook
