@@ -77,3 +77,20 @@ def test_unsupported_hf_model_falls_back_with_one_log_line(caplog: pytest.LogCap
     assert model.get_module() is neo and not model.distributed_modules()
     lines = [r.getMessage() for r in caplog.records if "tensor parallelism" in r.getMessage()]
     assert len(lines) == 1 and "GPTNeoModel has no supported module" in lines[0]
+
+
+def test_smp_nn_resolves_through_the_smdistributed_shim() -> None:
+    from smp_compat import shim
+
+    shim.install()
+    try:
+        import smdistributed.modelparallel.torch as smp_alias
+        from smdistributed.modelparallel.torch.nn import DistributedTransformerLMHead
+        from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+        from smdistributed.modelparallel.torch.nn.huggingface.roberta import translate_state_dict_to_smdistributed
+
+        assert smp_alias.nn is smp.nn and DistributedTransformerLMHead is smp.nn.DistributedTransformerLMHead
+        assert translate_state_dict_to_hf_gpt2 is smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2
+        assert callable(translate_state_dict_to_smdistributed)
+    finally:
+        shim.uninstall()
