@@ -68,15 +68,14 @@ def test_smp_nn_modules_equal_torch_at_tp1() -> None:
 def test_unsupported_hf_model_falls_back_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     transformers = pytest.importorskip("transformers")
     smp.init({})
-    config = transformers.GPTNeoConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-                                       attention_types=[[["global"], 1]])  # fmt: skip
+    config = transformers.GPTJConfig(vocab_size=16, n_embd=8, n_layer=1, n_head=2, rotary_dim=2, n_positions=8)
     with smp.tensor_parallelism():
-        neo = transformers.GPTNeoModel(config)
+        gptj = transformers.GPTJModel(config)
     with caplog.at_level(logging.WARNING, logger="smp_compat"):
-        model = smp.DistributedModel(neo)
-    assert model.get_module() is neo and not model.distributed_modules()
+        model = smp.DistributedModel(gptj)
+    assert model.get_module() is gptj and not model.distributed_modules()
     lines = [r.getMessage() for r in caplog.records if "tensor parallelism" in r.getMessage()]
-    assert len(lines) == 1 and "GPTNeoModel has no supported module" in lines[0]
+    assert len(lines) == 1 and "GPTJModel has no supported module" in lines[0]
 
 
 def test_smp_nn_resolves_through_the_smdistributed_shim() -> None:

@@ -43,13 +43,14 @@ class AttentionMath:
         self.in_fp32 = bool(flags.get("attention_in_fp32", False))
         self.qk_layer_scaling = int(flags.get("layer_idx") or 0) + 1 if flags.get("query_key_layer_scaling") else 1
         self.flash = bool(flags.get("flash_attention", False))
+        self.window_size: int | None = None  # local (sliding-window) causal attention, as GPT-Neo's local layers
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool, training: bool) -> torch.Tensor:  # fmt: skip
         """q, k, v: [N, heads, S, d]; ``mask`` additive, broadcastable to [N, heads, S, S_k] -> [N, heads, S, d]."""
         p = self.dropout if training else 0.0
         if causal:
-            mask = _add_causal(mask, q.shape[-2], k.shape[-2], q.dtype, q.device)
+            mask = _add_causal(mask, q.shape[-2], k.shape[-2], q.dtype, q.device, self.window_size)
         if self.flash and not self.in_fp32:
             with tp_rng():
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)
@@ -72,11 +73,15 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, layer_scali
 
 
 def _add_causal(
-    mask: torch.Tensor | None, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device
+    mask: torch.Tensor | None, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device, window: int | None = None
 ) -> torch.Tensor:
-    """The additive causal mask, combined with ``mask`` (clamped so two masks never sum to -inf)."""
+    """The additive causal mask (only the last ``window`` keys when given), combined with ``mask`` (clamped so
+    two masks never sum to -inf)."""
     lowest = torch.finfo(dtype).min
-    causal = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)
+    ones = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    causal = ones.tril(s_k - s_q)
+    if window is not None:
+        causal = causal & ~ones.tril(s_k - s_q - window)
     additive = torch.zeros(s_q, s_k, dtype=dtype, device=device).masked_fill(~causal, lowest)
     return additive if mask is None else torch.clamp(mask + additive, min=lowest)
 
@@ -107,6 +112,7 @@ class DistributedAttentionLayer(DistributedModule):
         scale_attn_by_layer_idx: bool = False,
         layer_idx: int | None = None,
         use_alibi: bool = False,
+        attention_bias: bool = True,
         **flags: Any,
     ) -> None:
         super().__init__()
@@ -125,9 +131,10 @@ class DistributedAttentionLayer(DistributedModule):
         self._init = (inner, normal, initializer_range)
         q, k, v = (full_linear(hidden_size, inner, normal, initializer_range) for _ in range(3))
         dense = full_linear(inner, hidden_size, normal, initializer_range)
-        self.query_weight, self.query_bias = shard(q.weight.data, 0), shard(q.bias.data, 0)
-        self.key_weight, self.key_bias = shard(k.weight.data, 0), shard(k.bias.data, 0)
-        self.value_weight, self.value_bias = shard(v.weight.data, 0), shard(v.bias.data, 0)
+        self.query_weight, self.key_weight, self.value_weight = (shard(m.weight.data, 0) for m in (q, k, v))
+        # attention_bias False (GPT-Neo): q/k/v without bias; not an SMP argument
+        bias = [shard(m.bias.data, 0) if attention_bias else None for m in (q, k, v)]
+        self.query_bias, self.key_bias, self.value_bias = bias
         self.dense_weight, self.dense_bias = shard(dense.weight.data, 1), nn.Parameter(dense.bias.data.clone())
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
@@ -144,7 +151,8 @@ class DistributedAttentionLayer(DistributedModule):
             for (w, b), layer in zip(((self.query_weight, self.query_bias), (self.key_weight, self.key_bias),
                                       (self.value_weight, self.value_bias)), full):  # fmt: skip
                 w.copy_(shard(layer.weight.data, 0))
-                b.copy_(shard(layer.bias.data, 0))
+                if b is not None:
+                    b.copy_(shard(layer.bias.data, 0))
             self.dense_weight.copy_(shard(full[3].weight.data, 1))
             self.dense_bias.copy_(full[3].bias.data)
 

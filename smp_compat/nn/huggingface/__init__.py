@@ -11,14 +11,16 @@ from typing import Any
 
 from torch import nn
 
-from smp_compat.nn.huggingface import bert, gpt2, roberta
+from smp_compat.nn.huggingface import bert, gpt2, gptneo, roberta
 
-__all__ = ["bert", "gpt2", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
+__all__ = ["bert", "gpt2", "gptneo", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
 
 # swapped class -> (to HF, from HF, a key pattern only HF's layout has)
 _TRANSLATORS = (
     (gpt2.DistributedGPT2Model, gpt2.translate_state_dict_to_hf_gpt2,
      gpt2.translate_hf_state_dict_to_smdistributed_gpt2, re.compile(r"(^|\.)h\.\d+\.")),
+    (gptneo.DistributedGPTNeoModel, gptneo.translate_state_dict_to_hf_gptneo,
+     gptneo.translate_hf_state_dict_to_smdistributed_gptneo, re.compile(r"(^|\.)h\.\d+\.")),
     (bert.DistributedBertEncoder, bert.translate_state_dict_to_hf_bert,
      bert.translate_hf_state_dict_to_smdistributed_bert, re.compile(r"(^|\.)encoder\.layer\.\d+\.")),
 )  # fmt: skip
@@ -27,6 +29,7 @@ _TRANSLATORS = (
 def register_all() -> None:
     """Register the built-in swaps of the Hugging Face models the installed transformers has."""
     gpt2.register()
+    gptneo.register()
     bert.register()
 
 
