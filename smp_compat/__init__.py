@@ -12,6 +12,7 @@ import warnings as _warnings
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from smp_compat import amp
+from smp_compat import nn
 from smp_compat import patches as patches
 from smp_compat.patches import checkpoint as _patches_checkpoint  # noqa: F401 - smp.patches.checkpoint
 from smp_compat.memory.activation_checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing
@@ -47,6 +48,7 @@ from smp_compat.errors import (
     TensorSplitError,
 )
 from smp_compat.model import DistributedModel
+from smp_compat.nn.registry import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from smp_compat.optimizer import DistributedOptimizer
 from smp_compat.partitioning import partition, set_partition
 from smp_compat.ranks import (
@@ -100,7 +102,8 @@ __all__ = [
     "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier",
     "save", "load", "save_checkpoint", "resume_from_checkpoint",
     "amp", "patches", "set_activation_checkpointing", "checkpoint", "checkpoint_sequential",
-    "model_creation", "delay_param_initialization", "register_parameter",
+    "model_creation", "delay_param_initialization", "register_parameter", "nn",
+    "tensor_parallelism", "set_tensor_parallelism", "tp_register", "tp_register_with_module",
     "SMPError", "SMPConfigError", "SMPUnsupportedError", "TensorSplitError",
     "FwdExecutionNotInStepFnError", "MultipleDistributedModelError", "DDPNotEnabledError",
 ]  # fmt: skip

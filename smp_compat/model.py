@@ -62,7 +62,7 @@ class DistributedModel(nn.Module):
         _check_model_args(module, trace_device, backward_passes_per_step, bucket_cap_mb)
         super().__init__()
         module, compiler = unwrap_compiled(module)  # torch.compile(model): partition the model itself
-        self.module = module
+        self.module = _swap_for_tensor_parallelism(module)
         self.compiler: Compiler | None = compiler
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times and trace_device != "cpu"
@@ -83,6 +83,7 @@ class DistributedModel(nn.Module):
         self.pipeline_engine: Any = None
         self._sdp_units: list[nn.Module] | None = None
         self._sdp_all_reduce = True  # FSDP2's default
+        self._plain_forward = False  # a training forward outside @smp.step: optimizer.step() reduces gradients
         state.model = self
         if sdp.enabled():
             self._shard()
@@ -96,6 +97,8 @@ class DistributedModel(nn.Module):
                 "inside a function decorated with @smp.step (put evaluation in its own step function and "
                 "call it under torch.no_grad())."
             )
+        if not in_step() and self.distributed_modules():
+            self._start_plain_step()
         run = self._root_forward()
         if state.cfg.fp16 or state.cfg.bf16:
             args, kwargs = _to_16bit((args, kwargs))
@@ -130,6 +133,23 @@ class DistributedModel(nn.Module):
             self.pipeline_engine.backward(tensors, grad_tensors)
         else:
             torch.autograd.backward(tensors, grad_tensors)
+
+    def _start_plain_step(self) -> None:
+        """SMP allowed tensor-parallel models at pp = 1 without @smp.step: partition at the first forward,
+        and let optimizer.step() reduce the gradients of a plain loss.backward()."""
+        if not self._partitioned:
+            self._partition(None, [])
+        if torch.is_grad_enabled() and self.training:
+            self._plain_forward = True
+
+    def reduce_plain_gradients(self) -> None:
+        """Called by the DistributedOptimizer's step: reduce gradients of a backward run outside @smp.step."""
+        if self._plain_forward:
+            self._plain_forward = False
+            if state.cfg.fp16 or state.cfg.bf16:
+                raise SMPUnsupportedError("fp16/bf16 training without @smp.step (plain loss.backward() and "
+                                          "optimizer.step()); put the forward and backward in an @smp.step function")
+            self._average_gradients()
 
     def _scaled_seeds(self, tensors: Any, grad_tensors: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -204,6 +224,11 @@ class DistributedModel(nn.Module):
             return
         src = topo.get_dp_group(state.rank)[0]
         tensors = [p.data for p in self.local_parameters()]
+        if topo.tp_size > 1:
+            from smp_compat.nn.grads import sync_replicas
+
+            sync_replicas(list(self.local_parameters()) + (list(self.local_buffers()) if self.broadcast_buffers else []))
+            return
         if self.broadcast_buffers:
             tensors += [b for b in self.local_buffers()]
         grads.broadcast_tensors(tensors, src, process_group("dp"), topo.dp_size)
@@ -224,6 +249,11 @@ class DistributedModel(nn.Module):
         if state.topology.dp_size == 1 or self._sdp_units is not None:  # FSDP reduced them in backward
             return
         params = [p for p in self.local_parameters() if p.requires_grad]
+        if self.distributed_modules():
+            from smp_compat.nn.grads import reduce_gradients
+
+            reduce_gradients(params, self.bucket_cap_mb)
+            return
         grads.average_gradients(params, process_group("dp"), state.topology.dp_size, self.bucket_cap_mb)
 
     # ------------------------------------------------------------------ hooks
@@ -303,27 +333,35 @@ class DistributedModel(nn.Module):
                 return name
         raise KeyError("this parameter does not belong to the DistributedModel")
 
-    # Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.
+    # Tensor parallelism: shards of smp.nn modules are the distributed, scaled-batch parameters (nn/grads.py).
     def distributed_modules(self) -> list[nn.Module]:
-        return []
+        """Outermost smp.nn.DistributedModule instances (swapped in, or built by the user)."""
+        from smp_compat.nn.swap import distributed_modules
+
+        if self.__dict__.get("_tp_modules_cache") is None:
+            self.__dict__["_tp_modules_cache"] = distributed_modules(self.module)
+        return list(self.__dict__["_tp_modules_cache"])
 
     def is_distributed_parameter(self, param: nn.Parameter) -> bool:
-        return False
+        return _is_shard(param)
 
     def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
-        return False
+        return _is_shard(buf)
 
     def is_scaled_batch_parameter(self, param: nn.Parameter) -> bool:
-        return False
+        """Shards see their tp group's whole batch (SMP: "operates on the scaled batch")."""
+        return _is_shard(param)
 
     def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
-        return False
+        return _is_shard(buf)
 
     def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.local_named_parameters()
+        """Parameters averaged over the DP group."""
+        return ((n, p) for n, p in self.local_named_parameters() if not _is_shard(p))
 
     def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(())
+        """Parameters reduced over the RDP group (tensor-parallel shards)."""
+        return ((n, p) for n, p in self.local_named_parameters() if _is_shard(p))
 
     def cpu(self) -> DistributedModel:
         raise SMPUnsupportedError("DistributedModel.cpu() (gathering a partitioned model onto the CPU)")
@@ -381,6 +419,17 @@ class DistributedModel(nn.Module):
 
             return load_model_state_dict(self, state_dict, strict, translate_function)
         return state_dicts.load_model_state(self, state_dict, strict, translate_function, same_partition_load)
+
+
+def _is_shard(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "_smp_tp_dim")
+
+
+def _swap_for_tensor_parallelism(module: nn.Module) -> nn.Module:
+    """Replace marked supported modules by smp.nn ones, in place (SMP does it in DistributedModel's constructor)."""
+    from smp_compat.nn.swap import swap_modules
+
+    return swap_modules(module)
 
 
 def _check_model_args(module: Any, trace_device: str, backward_passes: Any, bucket_cap_mb: Any) -> None:

@@ -69,6 +69,19 @@ def _check_ownership(optimizer: torch.optim.Optimizer, model: Any) -> None:
                 )
 
 
+def _reduce_before_step(optimizer: torch.optim.Optimizer) -> None:
+    """A tensor-parallel model trained with plain loss.backward() at pp = 1 (SMP allowed it) gets its
+    gradients reduced here, right before the update."""
+    original_step = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if state.model is not None:
+            state.model.reduce_plain_gradients()
+        return original_step(*args, **kwargs)
+
+    optimizer.step = step  # type: ignore[method-assign]
+
+
 def _patch(optimizer: torch.optim.Optimizer) -> None:
     """Add SMP's state-dict methods (full, local, deferred load); the logic lives in checkpoints/optimizer_state.py."""
     original_state_dict = optimizer.state_dict
@@ -96,6 +109,7 @@ def _patch(optimizer: torch.optim.Optimizer) -> None:
             )
         load_state_dict(state_dict)
 
+    _reduce_before_step(optimizer)
     optimizer.state_dict = state_dict  # type: ignore[method-assign]
     optimizer.local_state_dict = local_state_dict  # type: ignore[attr-defined]
     optimizer.local_optimizer_state_dict = local_state_dict  # type: ignore[attr-defined]

@@ -324,11 +324,16 @@ def _save_full(root: Path, tag: str, model: Any, optimizer: Any, user_content: A
     full = None
     error = None
     try:
-        writes = state.cfg.sharded_data_parallel_degree > 1 or state.topology.coords(state.rank).dp_rank == 0
+        # rdp_rank 0, not dp_rank 0: the gather is collective over the tensor-parallel group too
+        writes = state.cfg.sharded_data_parallel_degree > 1 or state.topology.coords(state.rank).rdp_rank == 0
         if model is not None and writes:
             full = model.state_dict(gather_to_rank0=True)
             if not translate:
                 full[state_dicts.PARTIAL_KEY] = False
+            else:  # a swapped Hugging Face model is written in HF's own format (SMP: "if possible")
+                from smp_compat.nn.huggingface import to_hf_format
+
+                full = to_hf_format(model.module, full)
         if state.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             atomic_save(user_content, root / f"user_content_{tag}")

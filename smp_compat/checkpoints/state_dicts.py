@@ -241,6 +241,10 @@ def model_state_dict(
     the dict and the other pipeline ranks get an empty one (SMP's behaviour).
     """
     entries = model.module.state_dict(keep_vars=keep_vars)
+    if state.topology.tp_size > 1:  # tensor-parallel shards become whole tensors (collective over the tp group)
+        from smp_compat.nn.state import gather_shards
+
+        entries = gather_shards(model.module, entries)
     if gather_to_rank0 and state.topology.pp_size > 1 and _my_pp_rank() != 0:
         if pipelined(model):
             gather(_owned_entries(model, entries), to_root=True)
@@ -334,6 +338,10 @@ def load_model_state(
 
 
 def _prepare_full(model: Any, sd: Mapping[str, Any], translate: Callable[..., Any] | None) -> Mapping[str, Any]:
+    if translate is None and PARTIAL_KEY not in sd:  # a swapped HF model takes HF checkpoints as they are
+        from smp_compat.nn.huggingface import from_hf_translator
+
+        translate = from_hf_translator(model.module, sd)
     if translate is not None and PARTIAL_KEY not in sd:
         sd = translate(sd)
     sd = strip_markers(sd)
@@ -382,6 +390,10 @@ def _load_now(model: Any, entries: Mapping[str, Any], strict: bool, fill_non_loc
                 continue
             if key in prepared or fill_non_local:
                 prepared[key] = value
+    if state.topology.tp_size > 1:  # whole tensors of a full dict are cut to this rank's shards
+        from smp_compat.nn.state import slice_for_rank
+
+        prepared = slice_for_rank(model.module, prepared)
     _copy_metadata(entries, prepared)
     try:
         return model.module.load_state_dict(prepared, strict=strict)

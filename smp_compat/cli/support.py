@@ -70,8 +70,8 @@ _SAFE_LOAD = (
 )
 _Row = tuple  # (name, status, note, action[, group])
 
-_NO_TP = "Tensor parallelism is not implemented (tensor_parallel_degree must be 1)."
-_NO_TP_ACTION = "Remove it: with tp = 1 SMP left the modules unchanged too."
+_TP_PP = "Tensor parallelism at pp = 1 only (tp x rdp); tp > 1 with pp > 1 raises SMPUnsupportedError."
+_TP_PP_ACTION = "Use tensor_parallel_degree with pipeline_parallel_degree 1, or pipeline parallelism without tp."
 
 _API_ROWS: list[tuple[str, list[_Row]]] = [
     ("Initialization and state", [
@@ -88,7 +88,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("StepOutput", _S, "", ""),
     ]),
     ("Model and optimizer", [
-        ("DistributedModel", _S, "No tensor-parallel module swap (tensor parallelism is not implemented). With "
+        ("DistributedModel", _S, "Swaps modules marked for tensor parallelism in place (HF GPT-2, GPT-Neo, BERT, "
+         "RoBERTa and smp.tp_register'd classes; docs/porting.md, Tensor parallelism). With "
          "sharded_data_parallel_degree > 1 it shards the model with FSDP2 when called, as SMP did.", ""),
         ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
          "with fp32 master weights and loss scaling, as SMP. Under sharded data parallelism, a wrapper that clips "
@@ -101,16 +102,17 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("set_partition", _S, "", ""),
     ]),
     ("Tensor parallelism, model creation, activation checkpointing", [
-        ("tensor_parallelism", _U, _NO_TP, "Remove the with-block (or use contextlib.nullcontext())."),
-        ("set_tensor_parallelism", _U, _NO_TP, _NO_TP_ACTION),
-        ("tp_register", _U, _NO_TP, "Remove the decorator."),
-        ("tp_register_with_module", _U, _NO_TP, _NO_TP_ACTION),
+        ("tensor_parallelism", _P, "Marks supported modules (built in: Hugging Face GPT-2, GPT-Neo, BERT, RoBERTa). " + _TP_PP,
+         _TP_PP_ACTION),
+        ("set_tensor_parallelism", _P, _TP_PP, _TP_PP_ACTION),
+        ("tp_register", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
+        ("tp_register_with_module", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
         ("delay_param_initialization", _S, "Parameters are created on the meta device (buffers stay real); each "
          "rank allocates its own after partitioning and replays reset_parameters() / _reset_parameters() / a "
          "transformers model's _init_weights. Other writes made before partitioning are not replayed (warning).",
          ""),
-        ("model_creation", _P, "Sets the default dtype and delayed initialization; tensor_parallelism=True raises "
-         "SMPUnsupportedError when tp > 1.", "Keep tensor_parallelism false (tensor_parallel_degree 1)."),
+        ("model_creation", _S, "dtype, delayed initialization (each rank materializes only its tensor-parallel "
+         "shards) and tensor_parallelism (the swap happens at tp = 1 too, as in SMP).", ""),
         ("set_activation_checkpointing", _S, "A module spanning pipeline ranks is skipped with a warning, as in SMP.",
          ""),
         ("checkpoint", _S, "", ""),
@@ -122,23 +124,25 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("patches.checkpoint.checkpoint_sequential", _S, "Same function as smp.checkpoint_sequential.", ""),
     ]),
     ("smp.nn, smp.amp, smp.optimizers", [
-        ("nn", _U, "SMP's tensor-parallel and fused modules are not provided.",
-         "Use the torch.nn module the SMP one stands for.", True),
-        ("nn.DistributedLinear", _U, _NO_TP, "Use torch.nn.Linear(in_features, out_features)."),
-        ("nn.DistributedEmbedding", _U, _NO_TP, "Use torch.nn.Embedding."),
-        ("nn.DistributedLayerNorm", _U, _NO_TP, "Use torch.nn.LayerNorm."),
-        ("nn.DistributedModule", _U, _NO_TP, "Subclass torch.nn.Module."),
-        ("nn.DistributedTransformerLMHead", _U, _NO_TP,
-         "Use your model's own transformer (e.g. the Hugging Face model) without tensor parallelism."),
-        ("nn.DistributedTransformer", _U, _NO_TP, "Use a torch.nn transformer stack."),
-        ("nn.DistributedTransformerLayer", _U, _NO_TP, "Use a torch.nn transformer layer."),
-        ("nn.DistributedAttentionLayer", _U, _NO_TP, "Use torch.nn.MultiheadAttention or your own attention."),
-        ("nn.DistributedTransformerOutputLayer", _U, _NO_TP, "Use torch.nn.Linear layers."),
-        ("nn.FlashAttentionLayer", _U, "Not provided.",
-         "Use torch.nn.functional.scaled_dot_product_attention (flash kernels on GPU)."),
-        ("nn.FusedLayerNorm", _U, "Not provided (SMP's needed apex).", "Use torch.nn.LayerNorm."),
-        ("nn.huggingface", _U, "State-dict translation between SMP's tensor-parallel layout and Hugging Face.",
-         "Drop the translation: without smp.nn modules the state dict already has the Hugging Face layout.", True),
+        ("nn", _S, "SMP's tensor-parallel modules (Megatron-style splits over the tp group) and fused stand-ins.",
+         "", True),
+        ("nn.DistributedLinear", _S, "Row-parallel (in_features split), as SMP documents.", ""),
+        ("nn.DistributedEmbedding", _P, "Split over embedding_dim; max_norm, sparse and the _skip_* options raise "
+         "SMPUnsupportedError.", "Leave those options at their defaults."),
+        ("nn.DistributedLayerNorm", _U, "Not in SMP's public API; not provided.", "Use torch.nn.LayerNorm."),
+        ("nn.DistributedModule", _S, "", ""),
+        ("nn.DistributedTransformerLMHead", _P, "Returns the logits; labels and add_cross_attention raise "
+         "SMPUnsupportedError.", "Pass labels=None and compute the loss from the logits."),
+        ("nn.DistributedTransformer", _S, "Layers in seq_layers.", ""),
+        ("nn.DistributedTransformerLayer", _P, "use_alibi raises SMPUnsupportedError.", "Leave use_alibi False."),
+        ("nn.DistributedAttentionLayer", _P, "Heads split over tp; use_alibi raises SMPUnsupportedError.",
+         "Leave use_alibi False."),
+        ("nn.DistributedTransformerOutputLayer", _S, "", ""),
+        ("nn.FlashAttentionLayer", _P, "torch's scaled_dot_product_attention; triton_flash_attention and use_alibi "
+         "raise SMPUnsupportedError.", "Leave those options False."),
+        ("nn.FusedLayerNorm", _S, "torch.nn.LayerNorm (same numerics).", ""),
+        ("nn.huggingface", _P, "gpt2 (with get_hf_gpt2_transformer_layer_hooks), gptneo, bert and roberta (swaps and "
+         "translate functions); GPT-J and GPT-NeoX are not provided.", "Those models run with their plain modules (no tensor parallelism).", True),
         ("amp", _S, "", ""),
         ("amp.GradScaler", _S, "torch's GradScaler; every pipeline stage skips or steps together.", ""),
         ("optimizers", _U, "SMP's apex-based fused optimizers are not provided.",
@@ -195,7 +199,7 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
          "full tensors on every rank (SMP returned placeholders).", ""),
         ("local_state_dict", _S, "Under sharded data parallelism: DTensors holding this rank's shards.", ""),
         ("load_state_dict", _S, "Full or partial dicts; applied after partitioning, as in SMP.", ""),
-        *((name, _S, "Tensor parallelism is not implemented, so nothing is distributed or scaled-batch.", "")
+        *((name, _S, "Distributed and scaled-batch parameters are the tensor-parallel shards.", "")
           for name in (
             "distributed_modules", "is_distributed_parameter", "is_distributed_buffer", "is_scaled_batch_parameter",
             "is_scaled_batch_buffer", "default_reducer_named_parameters", "scaled_batch_reducer_named_parameters",
@@ -279,8 +283,6 @@ _CONFIG_ADVICE: dict[str, str] = {
     "offload_activations": "Remove it: activations stay on the device.",
     "activation_loading_horizon": "Remove it (only used with offload_activations).",
     "delayed_parameter_initialization": "Remove it: parameters are created when the module is.",
-    "prescaled_batch": "Remove it (only meaningful with tensor parallelism).",
-    "optimize": "Nothing to do: it only tuned SMP's tensor-parallel layers.",
     "skip_tracing": "Nothing to do: the partitioner still traces at pp > 1.",
     "horovod": "Remove it and use ddp: True for data parallelism.",
     "sdp_reduce_bucket_size": "Nothing to do: FSDP2 reduce-scatters each block's gradients in one collective.",

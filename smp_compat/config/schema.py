@@ -243,15 +243,12 @@ _INTERNAL_KEYS = frozenset(
 NOT_ACTED_ON: frozenset[str] = frozenset(
     {
         "activation_loading_horizon",
-        "prescaled_batch",
         "skip_tracing",
         "fp16_params",
         "horovod",
         "contiguous",
         "static_mode",
         "fast_mode",
-        "tensor_parallel_seed",
-        "optimize",
     }
     | {"sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters",
        "sdp_hierarchical_allgather"}  # FSDP2 has no such knob: see docs/differences.md
@@ -260,7 +257,6 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
 """SMP keys accepted but not implemented yet; smp.init warns once about those set to a non-default value."""
 
 UNSUPPORTED: dict[str, str] = {
-    "tensor_parallel_degree": "tensor parallelism",
 }
 """SMP keys whose non-default value asks for a feature smp_compat lacks: resolve_config raises SMPUnsupportedError."""
 

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp_compat.errors import SMPUnsupportedError
 from smp_compat.globalstate import state
 
 __all__ = [
@@ -151,14 +150,15 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tensor_parallel_config: Any) -> Iterator[None]:
     """Create the model with ``dtype`` as default dtype, delayed when the config asks for it (SMP >= 1.10)."""
-    if tensor_parallelism and state.initialized and state.topology.tp_size > 1:
-        raise SMPUnsupportedError("tensor parallelism (smp.model_creation(tensor_parallelism=True))")
+    from smp_compat.nn.registry import tensor_parallelism as tp_context  # nn/ is a higher layer
+
     delayed = bool(state.initialized and state.cfg.delayed_parameter_initialization)
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
-        with delay_param_initialization(delayed):
+        tp = tp_context(True, **tensor_parallel_config) if tensor_parallelism else contextlib.nullcontext()
+        with delay_param_initialization(delayed), tp:
             yield
     finally:
         torch.set_default_dtype(previous)
@@ -184,9 +184,10 @@ def replace_in_place(t: torch.Tensor, data: torch.Tensor) -> None:
     """Give ``t`` new storage, keeping the Python object, so optimizers built earlier still hold it.
 
     ``.data =`` cannot turn a meta tensor into a real one; ``swap_tensors`` can. Attributes a script set
-    on the parameter are kept; the delayed-initialization bookkeeping is dropped.
+    on the parameter are kept (a tensor-parallel shard's markers too); the delayed-initialization bookkeeping
+    is dropped.
     """
     if isinstance(t, nn.Parameter):
         data = nn.Parameter(data, requires_grad=t.requires_grad)
-        data.__dict__.update({k: v for k, v in t.__dict__.items() if not k.startswith("_smp_")})
+        data.__dict__.update({k: v for k, v in t.__dict__.items() if not k.startswith("_smp_") or k.startswith("_smp_tp_")})
     torch.utils.swap_tensors(t, data)

@@ -168,7 +168,8 @@ class FP16Optimizer:
         if self.overflow:
             return -1.0
         grads = [m.grad for _, m in self._pairs if m.grad is not None]
-        total = _global_norm(grads, norm_type, _agreement_group(self._sharded))
+        replicated = [not hasattr(p, "_smp_tp_dim") for p, m in self._pairs if m.grad is not None]
+        total = _global_norm(grads, norm_type, _agreement_group(self._sharded), replicated)
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
             for g in grads:
@@ -189,12 +190,18 @@ class FP16Optimizer:
         return result
 
 
-def _global_norm(grads: list[torch.Tensor], norm_type: float, group: Any) -> float:
+def _global_norm(
+    grads: list[torch.Tensor], norm_type: float, group: Any, replicated: list[bool] | None = None
+) -> float:
+    """Norm over ``group``; a gradient replicated over the tp group is counted once, not tp times."""
+    tp = state.topology.tp_size if state.initialized else 1
+    weights = [1.0 / tp if tp > 1 and (replicated is None or r) else 1.0 for r in (replicated or [True] * len(grads))]
     if math.isinf(norm_type):
         local = max((g.abs().max() for g in grads), default=torch.zeros(())).float().to(state.device)
         op = dist.ReduceOp.MAX
     else:
-        local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=state.device)).float()
+        local = sum((w * g.float().norm(norm_type) ** norm_type for g, w in zip(grads, weights)),
+                    torch.zeros((), device=state.device)).float()  # fmt: skip
         op = dist.ReduceOp.SUM
     if group is not None:
         dist.all_reduce(local, op=op, group=group)

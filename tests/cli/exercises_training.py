@@ -240,7 +240,44 @@ def sharded_data_parallelism(smp: Any) -> None:
     smp.reset()
 
 
+def tensor_parallelism(smp: Any) -> None:
+    """tp = 2 x rdp = 2: a model of smp.nn modules made under smp.model_creation equals plain PyTorch."""
+    import tp_models as tm
+
+    def build() -> torch.nn.Module:
+        net = tm.TinySmpLM(smp.nn)
+        net.ln = smp.nn.FusedLayerNorm(tm.HIDDEN)
+        return net
+
+    ref_losses, ref_params = tm.reference(build)  # before smp.init: smp.nn modules are whole
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": False, "optimize": "speed",
+              "tensor_parallel_seed": 3})  # fmt: skip
+    with smp.model_creation(tensor_parallelism=True):
+        torch.manual_seed(0)
+        net = build()
+    model = smp.DistributedModel(net)
+    assert all(isinstance(m, smp.nn.DistributedModule) for m in model.distributed_modules())
+    assert isinstance(net.transformer, smp.nn.DistributedTransformer) and isinstance(net.proj, smp.nn.DistributedLinear)
+    assert isinstance(net.transformer.seq_layers[0].output, smp.nn.DistributedTransformerOutputLayer)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+
+    @smp.step
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = tm.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for ids in tm.batches():
+        opt.zero_grad()
+        losses.append(sum(smp.allgather(step(tm.my_samples(smp, ids)).reduce_mean().item(), smp.DP_GROUP)) / 4)
+        opt.step()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert_matches({k: v.detach() for k, v in model.state_dict().items()}, ref_params, rtol=1e-5, atol=1e-5)
+    smp.reset()
+
+
 TRAINING = [pipeline_with_data_parallelism, schedule_and_placement_keys, manual_partition_and_model_members,
             step_output_members, sixteen_bit, sharded_optimizer_state, delayed_initialization,
-            activation_checkpointing, amp_grad_scaler, sharded_data_parallelism]  # fmt: skip
+            activation_checkpointing, amp_grad_scaler, sharded_data_parallelism, tensor_parallelism]  # fmt: skip
 assert STEPS >= 2  # the loss must have a chance to fall

@@ -39,6 +39,8 @@ API_USES: dict[str, Exercise] = {
             "patches.checkpoint.checkpoint patches.checkpoint.checkpoint_sequential"),
     **_same(tr.amp_grad_scaler, "amp amp.GradScaler"),
     **_same(tr.sharded_data_parallelism, "register_parameter"),
+    **_same(tr.tensor_parallelism, "model_creation nn nn.DistributedLinear nn.DistributedModule "
+            "nn.DistributedTransformer nn.DistributedTransformerOutputLayer nn.FusedLayerNorm"),
     **_same(api.save_load_and_resume, "save load save_checkpoint resume_from_checkpoint"),
     **_same(api.ranks_groups_and_communication,
             "rank size local_rank local_size pp_rank pp_size tp_rank tp_size dp_rank dp_size rdp_rank rdp_size "
@@ -86,6 +88,7 @@ CONFIG_USES: dict[str, Exercise] = {
     **_same(tr.sixteen_bit, "fp16 bf16"),
     **_same(tr.delayed_initialization, "delayed_parameter_initialization"),
     **_same(tr.sharded_data_parallelism, "sharded_data_parallel_degree sdp_gradient_clipping"),
+    **_same(tr.tensor_parallelism, "tensor_parallel_degree prescaled_batch optimize tensor_parallel_seed"),
 }  # fmt: skip
 
 TABLES = [("API", API, API_USES), ("member", METHODS, MEMBER_USES), ("config key", CONFIG, CONFIG_USES)]

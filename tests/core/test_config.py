@@ -427,27 +427,29 @@ def test_simple_with_all_active_stays_simple() -> None:
 def test_not_acted_on_lists_explicit_non_default_keys_sorted() -> None:
     cfg = resolve({"skip_tracing": True, "optimize": "memory", "contiguous": True, "sdp_max_live_parameters": 5,
                    "ddp": True, "fp16": True})  # fmt: skip
-    assert cfg.not_acted_on() == ["optimize", "sdp_max_live_parameters", "skip_tracing"]
+    assert cfg.not_acted_on() == ["sdp_max_live_parameters", "skip_tracing"]  # optimize: acted on (tp)
 
 
 def test_not_acted_on_contents() -> None:
-    assert {"optimize", "_match_weights", "sdp_max_live_parameters"} <= NOT_ACTED_ON
+    assert {"_match_weights", "sdp_max_live_parameters"} <= NOT_ACTED_ON
+    assert not NOT_ACTED_ON & {"optimize", "prescaled_batch", "tensor_parallel_seed"}  # tensor parallelism
     assert not NOT_ACTED_ON & {"fp16", "bf16", "shard_optimizer_state", "delayed_parameter_initialization"}
     assert NOT_ACTED_ON <= SMP_KEYS
     assert not NOT_ACTED_ON & {"pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "active_microbatches"}
 
 
 @pytest.mark.parametrize(
-    ("key", "feature"),
-    [("tensor_parallel_degree", "tensor parallelism")],
+    ("params", "named"),
+    [
+        ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
+        ({"tensor_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state=True"),
+        ({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
+    ],
 )
-def test_unsupported_keys(key: str, feature: str) -> None:
-    assert UNSUPPORTED[key] == feature
-    with pytest.raises(SMPUnsupportedError, match=f"{key}=2 asks for {feature}"):
-        resolve({key: 2})  # raised before the "needs ddp" rule
-    with pytest.raises(SMPUnsupportedError):
-        resolve({}, **{key: 4})
-    assert getattr(resolve({key: 1}), key) == 1
+def test_combinations_not_implemented_are_refused_naming_them(params: dict[str, Any], named: str) -> None:
+    assert not UNSUPPORTED  # every key's own feature exists; only these combinations are missing
+    with pytest.raises(SMPUnsupportedError, match=named):
+        resolve({"ddp": True, **params})  # raised before the cross-key rules
 
 
 # --- round trip ---------------------------------------------------------------------------------------------
@@ -489,3 +491,10 @@ def test_smp_keys_frozen() -> None:
     """The accepted key set is part of the public surface: change it on purpose only."""
     assert SMP_KEYS == frozenset(FROZEN_KEYS) and len(FROZEN_KEYS) == 43
     assert list(resolve().to_dict()) == FROZEN_KEYS  # declaration order, for readable logs
+
+
+def test_tensor_parallelism_with_pipeline_parallelism_is_unsupported() -> None:
+    assert "tensor_parallel_degree" not in UNSUPPORTED
+    assert resolve({"tensor_parallel_degree": 2, "ddp": True}).tensor_parallel_degree == 2
+    with pytest.raises(SMPUnsupportedError, match="tensor parallelism combined with pipeline parallelism"):
+        resolve({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "ddp": True})

@@ -1,0 +1,222 @@
+"""Hugging Face GPT-2: ``GPT2Model`` swapped for a ``DistributedTransformer``, and state-dict translation.
+
+The replacement keeps HF's ``wte``/``wpe``/``drop``/``ln_f`` modules (so ``lm_head`` stays tied to ``wte``
+and HF's own loss runs unchanged) and holds the blocks as ``seq_layers[i]`` with children ``attention``
+(pre-LN, fused ``c_attn`` split into q/k/v by whole heads, ``c_proj`` row-parallel) and ``output``
+(pre-LN, ``c_fc`` column-parallel, ``c_proj`` row-parallel). The weights are the HF module's own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp_compat.errors import SMPUnsupportedError
+from smp_compat.nn.module import shard
+from smp_compat.nn.registry import register_builtin
+from smp_compat.nn.transformer import DistributedTransformer
+
+__all__ = ["DistributedGPT2Model", "register", "translate_hf_state_dict_to_smdistributed_gpt2",
+           "translate_state_dict_to_hf_gpt2", "get_hf_gpt2_transformer_layer_hooks"]  # fmt: skip
+
+_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def _layer_kwargs(config: Any) -> dict[str, Any]:
+    """DistributedTransformer arguments equal to a GPT2Config; ValueError for what the swap does not cover."""
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("GPT-2 with add_cross_attention is not supported by the tensor-parallel swap")
+    if config.activation_function not in _ACTIVATIONS:
+        raise ValueError(f"activation_function {config.activation_function!r} is not supported by the swap")
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return dict(
+        num_layers=config.num_hidden_layers, num_attention_heads=heads, attention_head_size=hidden // heads,
+        hidden_size=hidden, intermediate_size=config.n_inner or 4 * hidden,
+        attention_dropout_prob=config.attn_pdrop, hidden_dropout_prob=config.resid_pdrop,
+        activation=_ACTIVATIONS[config.activation_function], layernorm_epsilon=config.layer_norm_epsilon,
+        initializer_range=config.initializer_range, use_normal_initialization=True,
+        causal_mask_size=config.n_positions, pre_layernorm=True, post_layernorm=False,
+        scale_attention_scores=bool(config.scale_attn_weights),
+        scale_attn_by_layer_idx=bool(config.scale_attn_by_inverse_layer_idx),
+        attention_in_fp32=bool(config.reorder_and_upcast_attn),
+    )  # fmt: skip
+
+
+class DistributedGPT2Model(DistributedTransformer):
+    """``GPT2Model`` with its blocks as tensor-parallel ``seq_layers``; same forward signature and output type."""
+
+    def __init__(self, hf: nn.Module, overrides: dict[str, Any] | None = None) -> None:
+        kwargs = {**_layer_kwargs(hf.config), **(overrides or {})}
+        super().__init__(**kwargs)
+        self.config = hf.config
+        self.embed_dim = hf.config.hidden_size
+        self.wte, self.wpe, self.drop, self.ln_f = hf.wte, hf.wpe, hf.drop, hf.ln_f
+        if not any(p.is_meta for p in hf.parameters()):
+            with torch.no_grad():
+                for block, layer in zip(hf.h, self.seq_layers):
+                    _copy_block(block, layer)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.wte
+
+    def set_input_embeddings(self, new: nn.Module) -> None:
+        self.wte = new
+
+    def forward(self, input_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+        if past_key_values is not None or encoder_hidden_states is not None:
+            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in the tensor-parallel GPT-2")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You have to specify exactly one of input_ids or inputs_embeds")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        h = self.wte(input_ids.view(-1, shape[-1])) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(shape[-1], device=h.device).unsqueeze(0)
+        h = h + self.wpe(position_ids)
+        if token_type_ids is not None:
+            h = h + self.wte(token_type_ids.view(-1, shape[-1]))
+        h = self.drop(h)
+        mask = None
+        if attention_mask is not None:
+            keep = attention_mask.view(h.shape[0], -1).to(h.dtype)
+            mask = ((1.0 - keep) * torch.finfo(h.dtype).min)[:, None, None, :]
+        h = self.seq_layers((h, mask))[0]
+        h = self.ln_f(h).view(*shape, h.shape[-1])
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=h)
+
+
+def _copy_block(block: nn.Module, layer: nn.Module) -> None:
+    """HF GPT2Block weights (Conv1D: [in, out]) into this rank's shards of a DistributedTransformerLayer."""
+    attn, out = layer.attention, layer.output
+    full = _hf_block_to_smp(block.state_dict())
+    for module in (attn, out):
+        prefix = "attention." if module is attn else "output."
+        for name, param in module.named_parameters():
+            value = full[prefix + name]
+            param.copy_(shard(value, param._smp_tp_dim) if hasattr(param, "_smp_tp_dim") else value)
+
+
+def _hf_block_to_smp(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One block, HF names -> our names, whole tensors."""
+    q, k, v = sd["attn.c_attn.weight"].t().chunk(3, dim=0)
+    qb, kb, vb = sd["attn.c_attn.bias"].chunk(3, dim=0)
+    return {
+        "attention.query_weight": q, "attention.key_weight": k, "attention.value_weight": v,
+        "attention.query_bias": qb, "attention.key_bias": kb, "attention.value_bias": vb,
+        "attention.dense_weight": sd["attn.c_proj.weight"].t(), "attention.dense_bias": sd["attn.c_proj.bias"],
+        "attention.layernorm.weight": sd["ln_1.weight"], "attention.layernorm.bias": sd["ln_1.bias"],
+        "output.dense1_weight": sd["mlp.c_fc.weight"].t(), "output.dense1_bias": sd["mlp.c_fc.bias"],
+        "output.dense2_weight": sd["mlp.c_proj.weight"].t(), "output.dense2_bias": sd["mlp.c_proj.bias"],
+        "output.layernorm.weight": sd["ln_2.weight"], "output.layernorm.bias": sd["ln_2.bias"],
+    }  # fmt: skip
+
+
+def _smp_block_to_hf(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    a = "attention."
+    return {
+        "ln_1.weight": sd[a + "layernorm.weight"], "ln_1.bias": sd[a + "layernorm.bias"],
+        "attn.c_attn.weight": torch.cat([sd[a + f"{n}_weight"] for n in ("query", "key", "value")], 0).t().contiguous(),
+        "attn.c_attn.bias": torch.cat([sd[a + f"{n}_bias"] for n in ("query", "key", "value")], 0),
+        "attn.c_proj.weight": sd[a + "dense_weight"].t().contiguous(), "attn.c_proj.bias": sd[a + "dense_bias"],
+        "ln_2.weight": sd["output.layernorm.weight"], "ln_2.bias": sd["output.layernorm.bias"],
+        "mlp.c_fc.weight": sd["output.dense1_weight"].t().contiguous(), "mlp.c_fc.bias": sd["output.dense1_bias"],
+        "mlp.c_proj.weight": sd["output.dense2_weight"].t().contiguous(), "mlp.c_proj.bias": sd["output.dense2_bias"],
+    }  # fmt: skip
+
+
+def _translate(state_dict: Mapping[str, Any], pattern: str, repl: str, convert: Any) -> OrderedDict[str, Any]:
+    """Rewrite every block ``{prefix}{pattern}{i}.{rest}`` with ``convert``; other keys pass through."""
+    blocks: dict[tuple[str, int], dict[str, Any]] = {}
+    out: OrderedDict[str, Any] = OrderedDict()
+    regex = re.compile(rf"^(.*?){re.escape(pattern)}(\d+)\.(.+)$")
+    for key, value in state_dict.items():
+        m = regex.match(key)
+        if m is None:
+            out[key] = value
+        else:
+            blocks.setdefault((m.group(1), int(m.group(2))), {})[m.group(3)] = value
+    for (prefix, i), sd in sorted(blocks.items(), key=lambda item: item[0][1]):
+        sd = {k: v for k, v in sd.items() if k not in ("attn.bias", "attn.masked_bias")}
+        for name, value in convert(sd).items():
+            out[f"{prefix}{repl}{i}.{name}"] = value
+    return out
+
+
+def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """A full HF GPT-2 state dict -> the full state dict of the swapped model (``model.load_state_dict`` input)."""
+    return _translate(state_dict, "h.", "seq_layers.", _hf_block_to_smp)
+
+
+def translate_state_dict_to_hf_gpt2(
+    state_dict: Mapping[str, Any], max_seq_len: int | None = None
+) -> OrderedDict[str, Any]:
+    """The full state dict of the swapped model -> stock HF GPT-2 names and layouts. ``max_seq_len`` adds the
+    causal-mask buffers (``attn.bias``, ``attn.masked_bias``) that Hugging Face versions before 4.32 kept."""
+    out = _translate(state_dict, "seq_layers.", "h.", _smp_block_to_hf)
+    if max_seq_len is not None:
+        for key in [k for k in out if k.endswith(".attn.c_attn.weight")]:
+            base = key[: -len("c_attn.weight")]
+            causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool))
+            out[base + "bias"] = causal.view(1, 1, max_seq_len, max_seq_len)
+            out[base + "masked_bias"] = torch.tensor(-1e4)
+    return out
+
+
+def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+    from smp_compat.nn.module import KERNEL_FLAGS
+
+    known = set(_layer_kwargs(module.config)) | (KERNEL_FLAGS - {"distribute_embedding", "zero_init", "layer_idx"})
+    ignored = {"use_alibi": False, "distribute_embedding": False, "zero_init": False}
+    bad = {k: v for k, v in overrides.items() if k in ignored and v != ignored[k]}
+    if bad:
+        raise SMPUnsupportedError(f"GPT-2 tensor-parallel options {bad}")
+    device = next(module.parameters()).device
+    with torch.device(device):
+        return DistributedGPT2Model(module, {k: v for k, v in overrides.items() if k in known})
+
+
+def register() -> None:
+    """Make ``GPT2Model`` (inside ``GPT2LMHeadModel`` etc.) a supported module."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Model
+
+    register_builtin(GPT2Model, _build)
+
+
+def get_hf_gpt2_transformer_layer_hooks() -> tuple[Any, Any, Any]:
+    """``(init_hook, forward_hook, return_hook)`` for ``tp_register_with_module(GPT2Block,
+    smp.nn.DistributedTransformerLayer, *hooks)`` (Hugging Face 5's ``GPT2Block`` signature). Mark the blocks
+    with ``smp.set_tensor_parallelism(block)`` so the whole ``GPT2Model`` is not swapped instead."""
+
+    def init_hook(config: Any, layer_idx: int | None = None) -> tuple[tuple, dict[str, Any]]:
+        kwargs = _layer_kwargs(config)
+        del kwargs["num_layers"]
+        return (), {**kwargs, "layer_idx": layer_idx}
+
+    def forward_hook(hidden_states: torch.Tensor, past_key_values: Any = None, attention_mask: Any = None,
+                     encoder_hidden_states: Any = None, encoder_attention_mask: Any = None, use_cache: Any = False,
+                     **_: Any) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
+        # HF hands every block a cache when use_cache is on (its default, also in training); the layer does not
+        # fill it, so a cache that already holds tokens (the second generation step) is refused, never misused
+        cached = past_key_values is not None and past_key_values.get_seq_length() > 0
+        if cached or encoder_hidden_states is not None:
+            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in a tensor-parallel GPT2Block")
+        mask = attention_mask
+        if mask is not None and mask.dtype == torch.bool:  # HF's 4-D mask: True = attend
+            zeros = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device)
+            mask = zeros.masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
+        return ((hidden_states, mask),), {}
+
+    def return_hook(output: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return output[0]
+
+    return init_hook, forward_hook, return_hook

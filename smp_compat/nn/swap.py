@@ -1,0 +1,146 @@
+"""The in-place replacement of marked modules by their distributed versions, at ``smp.DistributedModel(...)``.
+
+Outermost first: a replaced module's children are not visited. A marked module that cannot be
+replaced (shared weights, sizes not divisible by the tp degree) stays as it is, with one log line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp_compat.nn.module import DistributedModule
+from smp_compat.nn import registry
+from smp_compat.nn.registry import Registration, init_args_of, lookup, mark_of
+
+__all__ = ["swap_modules", "distributed_modules"]
+
+log = logging.getLogger("smp_compat")
+
+
+def swap_modules(root: nn.Module) -> nn.Module:
+    """Replace every outermost marked, supported module under ``root``; return the (possibly new) root.
+
+    Built-in registrations are not installed here: a module can only be marked once they are (by the
+    tensor_parallelism context or set_tensor_parallelism), so scripts without tp never import HF models.
+    """
+    counts = _param_use_counts(root)
+    replaced = _maybe_replace(root, "", counts)
+    if replaced is not None:
+        return replaced
+    before = {id(m) for m in root.modules()}
+    _visit(root, "", counts)
+    if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
+        log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
+                    "Hugging Face GPT-2, GPT-Neo, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
+                    type(root).__name__)  # fmt: skip
+    registry.requested = False  # consumed: one model per process, and tests that build several stay independent
+    return root
+
+
+def _visit(parent: nn.Module, prefix: str, counts: dict[int, int]) -> None:
+    for name, child in list(parent.named_children()):
+        path = f"{prefix}{name}"
+        replaced = _maybe_replace(child, path, counts)
+        if replaced is not None:
+            setattr(parent, name, replaced)
+        else:
+            _visit(child, path + ".", counts)
+
+
+def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.Module | None:
+    mark = mark_of(module)
+    registration = lookup(type(module))
+    if registration is None or mark is None or not mark[0]:
+        return None
+    registry.requested = False  # a supported module was found: no "nothing supported" line for this model
+    where = f"{path or '<root>'} ({type(module).__name__})"
+    if registration.build is not None:
+        try:
+            new = registration.build(module, mark[1])
+        except ValueError as exc:
+            log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
+            return None
+        new.train(module.training)
+        return new
+    shared = [n for n, p in module.named_parameters() if counts[id(p)] > _own_uses(module, p)]
+    if shared:
+        log.warning("smp_compat: %s left unswapped for tensor parallelism: its weights %s are shared with "
+                    "another module", where, shared)  # fmt: skip
+        return None
+    try:
+        new = _build_generic(module, registration, mark[1])
+    except ValueError as exc:
+        log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
+        return None
+    new.train(module.training)
+    return new
+
+
+def _build_generic(module: nn.Module, reg: Registration, overrides: dict[str, Any]) -> nn.Module:
+    recorded = init_args_of(module)
+    if recorded is None:
+        raise ValueError("its constructor arguments were not recorded (register the class before creating it)")
+    args, kwargs = recorded
+    if reg.init_hook is not None:
+        args, kwargs = reg.init_hook(*args, **kwargs)
+        args, kwargs = tuple(args), dict(kwargs)
+    accepted = inspect.signature(reg.dist_cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs.update({k: v for k, v in overrides.items() if takes_any or k in accepted})
+    device = next((p.device for p in module.parameters()), None)
+    with torch.device(device) if device is not None else _nullcontext():
+        new = reg.dist_cls(*args, **kwargs)
+    if reg.forward_hook is not None:
+        hook = reg.forward_hook
+        new.register_forward_pre_hook(lambda _m, a, k: _as_args_kwargs(hook(*a, **k)), with_kwargs=True)
+    if reg.return_hook is not None:
+        ret = reg.return_hook
+        new.register_forward_hook(lambda _m, _a, out: ret(out))
+    return new
+
+
+def _as_args_kwargs(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = value
+    return tuple(args), dict(kwargs)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _param_use_counts(root: nn.Module) -> dict[int, int]:
+    """How many (module, name) slots hold each parameter object in the whole model."""
+    counts: dict[int, int] = {}
+    for module in root.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                counts[id(p)] = counts.get(id(p), 0) + 1
+    return counts
+
+
+def _own_uses(module: nn.Module, param: nn.Parameter) -> int:
+    return sum(1 for m in module.modules() for p in m._parameters.values() if p is param)
+
+
+def distributed_modules(root: nn.Module) -> list[nn.Module]:
+    """Outermost ``DistributedModule`` instances under ``root``."""
+    found: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        if isinstance(module, DistributedModule):
+            found.append(module)
+            return
+        for child in module.children():
+            walk(child)
+
+    walk(root)
+    return found

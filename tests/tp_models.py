@@ -1,0 +1,66 @@
+"""Tiny models built from smp.nn modules, and the plain single-process reference run for the tp tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, HEADS, SEQ, GLOBAL_BATCH, STEPS = 32, 16, 4, 6, 8, 3
+
+
+class TinySmpLM(nn.Module):
+    """Embedding -> DistributedTransformer (pre-LN, causal) -> LayerNorm -> DistributedLinear -> plain head."""
+
+    def __init__(self, smp_nn: Any, post_layernorm: bool = False) -> None:
+        super().__init__()
+        self.embedding = smp_nn.DistributedEmbedding(VOCAB, HIDDEN)
+        self.transformer = smp_nn.DistributedTransformer(
+            num_layers=2, num_attention_heads=HEADS, attention_head_size=HIDDEN // HEADS, hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
+            causal_mask_size=SEQ, pre_layernorm=not post_layernorm, post_layernorm=post_layernorm,
+            use_normal_initialization=True, initializer_range=0.2)  # fmt: skip
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.proj = smp_nn.DistributedLinear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embedding(ids)
+        h, _ = self.transformer((h, mask))
+        return self.head(torch.tanh(self.proj(self.ln(h))))
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def batches(steps: int = STEPS, global_batch: int = GLOBAL_BATCH) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, VOCAB, (global_batch, SEQ), generator=g) for _ in range(steps)]
+
+
+def reference(build: Any, steps: int = STEPS, loss_fn: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch on the global batch (no smp.init: smp.nn modules are whole)."""
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)  # Adam would amplify float noise in the key bias, whose true gradient is 0
+    losses = []
+    for ids in batches(steps):
+        loss = (loss_fn or (lambda m, x: lm_loss(m(x), x)))(model, ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def my_samples(smp: Any, ids: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the global batch: by dp rank, or by rdp rank with prescaled_batch."""
+    if smp.state.cfg.prescaled_batch:
+        index, count = smp.rdp_rank(), smp.rdp_size()
+    else:
+        index, count = smp.dp_rank(), smp.dp_size()
+    per = ids.shape[0] // count
+    return ids[index * per : (index + 1) * per]
