@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from smp_compat.errors import SMPConfigError
+from smp_compat.errors import SMPConfigError, SMPUnsupportedError
 from smp_compat.globalstate import state
 
 __all__ = ["build_mesh", "shard_dim_mesh"]
@@ -28,6 +28,12 @@ def build_mesh() -> DeviceMesh:
         raise SMPConfigError(
             f"sharded_data_parallel_degree ({sdp}) must divide the data-parallel degree ({len(members)}); "
             f"choose a divisor of {len(members)}."
+        )
+    if state.device.type == "cuda" and state.backend != "nccl":
+        raise SMPUnsupportedError(
+            f"sharded data parallelism on GPUs shared by several processes (backend {state.backend!r}): FSDP2's "
+            "collectives on CUDA tensors need NCCL, and NCCL needs one GPU per process (over gloo the process "
+            "crashed, measured on an H100). Start one process per GPU, or run on the CPU (CUDA_VISIBLE_DEVICES=)."
         )
     key = (id(state.launch), len(members), sdp, state.device.type)  # a new smp.init gets new groups
     if key not in _cache:

@@ -22,11 +22,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "fixtures" / "cuda" / "train_cuda.py"
+PARALLEL_JOB = ROOT / "tests" / "fixtures" / "cuda" / "parallel_cuda.py"
 
 
-def _torchrun(nproc: int, config: dict, *extra: str) -> list[dict]:
+def _torchrun(nproc: int, config: dict | None, *extra: str, job: Path = JOB) -> list[dict]:
+    args = [json.dumps(config)] if config is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-           str(JOB), json.dumps(config), *extra]
+           str(job), *args, *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -73,3 +75,16 @@ def test_pp2_dp2_on_cuda_matches_plain_pytorch() -> None:
            "auto_partition": False}
     outs = _torchrun(4, cfg)
     assert all(o["on_cuda"] for o in outs)
+
+
+def test_tensor_parallelism_on_cuda_matches_plain_pytorch() -> None:
+    outs = _torchrun(2, None, "tp", job=PARALLEL_JOB)
+    assert all(o["on_cuda"] and o["backend"] == _expected_backend(2) for o in outs)
+
+
+def test_sharded_data_parallelism_on_cuda_matches_plain_pytorch_or_needs_a_gpu_per_process() -> None:
+    if _expected_backend(2) == "nccl":
+        assert all(o["on_cuda"] for o in _torchrun(2, None, "sdp", job=PARALLEL_JOB))
+        return
+    with pytest.raises(AssertionError, match="FSDP2's collectives on CUDA tensors need NCCL"):
+        _torchrun(2, None, "sdp", job=PARALLEL_JOB)  # one GPU shared over gloo: a clear error, not a crash
