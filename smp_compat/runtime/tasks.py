@@ -172,8 +172,6 @@ class Scheduler:
             task.result = self._context.copy().run(task.fn)  # the step caller's context, one copy per task
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this task
             task.error = exc
-        task.fn = None  # its closure refers to the task: without this, only the cyclic GC would free the
-        # task and the message tensors it holds, so new activations took fresh pages in the meantime
         task.done = True
         self.tasks.remove(task)
         try:
@@ -181,7 +179,9 @@ class Scheduler:
                 task.on_done(task)
         except BaseException as exc:  # noqa: BLE001 - the root task raises it
             self.fail(exc)
-        return self._pass_baton(task)
+        nxt = self._pass_baton(task)
+        task.fn = None  # its closure refers to the task: without this, only the cyclic GC would free the
+        return nxt  # task and the message tensors it holds
 
     def fail(self, exc: BaseException) -> None:
         """Wake the root task with ``exc``, which it raises in the thread that called the step."""
