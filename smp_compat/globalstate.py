@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from smp_compat import failure
+from smp_compat import affinity, failure
 from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError
 from smp_compat.launch import LaunchEnv, detect_launch
@@ -91,6 +91,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     state.cfg, state.launch, state.topology, state.backend = cfg, launch, topology, backend
     state.device = _choose_device(backend, launch.local_rank)
     _export_rank_variables(launch)
+    affinity.bind_from_environment(launch.local_rank, launch.local_size)
     if launch.world_size > 1 or cfg.ddp:
         _init_process_groups(launch, topology, backend)
     state.initialized = True

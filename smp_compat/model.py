@@ -6,6 +6,7 @@ step call returns. At pp > 1 it hands partitioning and execution to the pipeline
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -153,14 +154,14 @@ class DistributedModel(nn.Module):
 
     def _scaled_seeds(self, tensors: Any, grad_tensors: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if grad_tensors is None:
-            grad_tensors = [torch.ones_like(t) for t in tensors]
-        elif isinstance(grad_tensors, torch.Tensor):
-            grad_tensors = [grad_tensors]
-        grad_tensors = list(grad_tensors)
         call = active_call()
-        if self.average_grads_across_microbatches and call is not None and call.num_microbatches > 1:
-            grad_tensors = [g / call.num_microbatches for g in grad_tensors]
+        divisor = call.num_microbatches if self.average_grads_across_microbatches and call is not None else 1
+        if grad_tensors is None:  # one fill per seed, not ones_like and a division (two kernels per microbatch)
+            grad_tensors = [torch.full_like(t, _seed_value(t.dtype, divisor)) for t in tensors]
+        else:
+            grad_tensors = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+            if divisor > 1:
+                grad_tensors = [g / divisor for g in grad_tensors]
         scale = getattr(state.optimizer, "loss_scale", None)
         if scale is not None and state.cfg.fp16:  # SMP: the loss is cast to float and multiplied by the scale
             tensors = [t.float() for t in tensors]
@@ -456,3 +457,9 @@ def _to_16bit(value: Any) -> Any:
 def _to_float32(value: Any) -> Any:
     """...and floating outputs back to fp32, so losses are computed in fp32."""
     return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_value(dtype: torch.dtype, divisor: int) -> float:
+    """``1 / divisor`` rounded exactly as ``torch.ones(dtype) / divisor`` rounds it (the seed SMP scales by)."""
+    return (torch.ones((), dtype=dtype) / divisor).item()

@@ -16,6 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from smp_compat.affinity import BIND_ENV
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
 from smp_compat.errors import SMPConfigError
 from smp_compat.checkpoints.load_policy import TRUST_ENV, TRUST_FLAG, trust_value
@@ -34,10 +35,13 @@ __all__ = [
     "run_command",
 ]
 
+BIND_FLAG = "--bind-cores"
+"""Pin each local rank to its own share of the cores (exported as ``SMP_COMPAT_BIND_CORES=1``)."""
+
 FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
 """SageMaker's framework parameters; Hugging Face's Trainer needs ``sagemaker_mpi_enabled`` there for its SMP path."""
 
-_OWN_FLAGS = ("--dry-run",)
+_OWN_FLAGS = ("--dry-run", BIND_FLAG)
 _OWN_VALUED = ("--config", TRUST_FLAG)
 _NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node")
 _TABLE_COLUMNS = ("rank", "pp_rank", "tp_rank", "rdp_rank", "dp_rank", "mp_rank")
@@ -193,6 +197,12 @@ def _run_parser() -> argparse.ArgumentParser:
         help="print the rank layout, groups, environment and command, check the config, start nothing",
     )
     own.add_argument(
+        BIND_FLAG,
+        action="store_true",
+        help="pin each local rank (all its threads) to its own share of the cores this launch may use; "
+        f"exported as {BIND_ENV}=1 and applied in smp.init. Off by default.",
+    )
+    own.add_argument(
         TRUST_FLAG,
         action="append",
         default=[],
@@ -304,6 +314,8 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         options = ["--nproc-per-node", nproc, *options]
     command = [sys.executable, "-m", "torch.distributed.run", *options, *script]
     env_updates = launch_environment(launch, cfg, env)
+    if ns.bind_cores:
+        env_updates[BIND_ENV] = "1"
     if ns.trust_checkpoint:
         env_updates[TRUST_ENV] = trust_value(ns.trust_checkpoint, env.get(TRUST_ENV))
     return LaunchPlan(

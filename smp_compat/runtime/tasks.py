@@ -11,6 +11,7 @@ that another rank keeps busy.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import itertools
 import logging
@@ -92,7 +93,9 @@ class Scheduler:
         self.root: Task | None = None
         self.timeout = float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
         self._torch_threads = torch.get_num_threads()
-        self._idle_workers: queue.SimpleQueue = queue.SimpleQueue()
+        # most recently idle first (a stack): work stays on few, warm threads (their malloc arenas and
+        # caches), where a queue rotated it over every worker; append/pop are atomic in CPython
+        self._idle_workers: collections.deque[queue.SimpleQueue] = collections.deque()
         self._workers: list[queue.SimpleQueue] = []
         self._context = contextvars.copy_context()
 
@@ -117,8 +120,8 @@ class Scheduler:
 
     def _start_on_worker(self, task: Task) -> None:
         try:
-            worker = self._idle_workers.get_nowait()
-        except queue.Empty:
+            worker = self._idle_workers.pop()
+        except IndexError:
             worker = self._new_worker()
         worker.put(task)
 
@@ -140,7 +143,7 @@ class Scheduler:
                 return
             while task is not None:
                 task = self._run_task(task)
-            self._idle_workers.put(inbox)
+            self._idle_workers.append(inbox)
 
     def close(self) -> None:
         """End the idle worker threads (at engine shutdown)."""
@@ -176,7 +179,9 @@ class Scheduler:
                 task.on_done(task)
         except BaseException as exc:  # noqa: BLE001 - the root task raises it
             self.fail(exc)
-        return self._pass_baton(task)
+        nxt = self._pass_baton(task)
+        task.fn = None  # its closure refers to the task: without this, only the cyclic GC would free the
+        return nxt  # task and the message tensors it holds
 
     def fail(self, exc: BaseException) -> None:
         """Wake the root task with ``exc``, which it raises in the thread that called the step."""

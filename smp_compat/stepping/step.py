@@ -78,6 +78,8 @@ def tracing_call(num_microbatches: int) -> Iterator[StepCall]:
 
 
 def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):  # the usual output (a loss): no tree walk per microbatch
+        return value.detach()
     return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
 
 
