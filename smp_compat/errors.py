@@ -79,7 +79,7 @@ class CheckpointError(SMPError, RuntimeError):
 class RemoteError(SMPError, RuntimeError):
     """Another rank of the job failed; the message carries its rank and original error.
 
-    ``root`` (a ``smp_compat.root_cause.RootCause``) names the original exception, rank and module.
+    ``root`` (a ``smp_compat.failure.RootCause``) names the original exception, rank and module.
     """
 
     def __init__(self, message: str, root: Any = None) -> None:

@@ -6,24 +6,28 @@ rank and its error and ends the process. Collective timeouts alone would take ma
 
 The line leads with the root exception (for a ``RemoteError``: the original exception, its rank and
 module), and every rank that ends this way writes torch elastic's error file, so that torchrun's
-closing summary names the cause too (``root_cause``).
+closing summary names the cause too: ``RootCause`` travels with a ``RemoteError`` (rank, module,
+microbatch, phase), and the failing ranks write ``TORCHELASTIC_ERROR_FILE`` (the JSON torch elastic's
+``ErrorHandler`` writes), so torchrun's "Root Cause" shows it instead of ``error_file: <N/A>``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from smp_compat import root_cause
-from smp_compat._compat import default_store
+import torch.distributed as dist
 
 __all__ = [
     "start_watch", "stop_watch", "publish", "publish_exception", "peer_failure", "stop_because", "POLL_SECONDS",
+    "ERROR_FILE_ENV", "RootCause", "root_of", "summary", "write_error_file", "default_store",
 ]  # fmt: skip
 
 _FAILURE_KEY = "smp_compat/failure"
@@ -85,15 +89,15 @@ def publish(message: str) -> None:
 
 def publish_exception(exc: BaseException) -> None:
     """Publish an exception's one-line summary (the root exception's type and message, rank and module)."""
-    publish(root_cause.summary(exc))
+    publish(summary(exc))
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     """An uncaught error: tell the others, print it, and exit now, so launchers report this rank first."""
     publish_exception(exc)
-    root = root_cause.root_of(exc, _watch.rank)
+    root = root_of(exc, _watch.rank)
     details = "".join(traceback.format_exception(kind, exc, tb)).rstrip()
-    root_cause.write_error_file(root.line(), f"{details}\n\nsmp_compat: rank {_watch.rank} failed: {root.line()}")
+    write_error_file(root.line(), f"{details}\n\nsmp_compat: rank {_watch.rank} failed: {root.line()}")
     (_watch.previous_hook or sys.__excepthook__)(kind, exc, tb)
     sys.stderr.flush()
     sys.stdout.flush()
@@ -137,7 +141,7 @@ def peer_failure(wait: float) -> str | None:
 def _record_stop(message: str) -> str:
     """torch elastic's error file for a rank stopped because of ``message``; returns the stopping line."""
     line = f"smp_compat: stopping rank {_watch.rank} because {message.splitlines()[0]}"
-    root_cause.write_error_file(line, line)
+    write_error_file(line, line)
     return line
 
 
@@ -146,3 +150,83 @@ def stop_because(message: str) -> None:
     sys.stderr.write(_record_stop(message) + "\n")
     sys.stderr.flush()
     os._exit(_EXIT_CODE)
+
+
+# ---------------------------------------------------------------- the root cause, for people and launchers
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """An exception raised on ``rank`` (inside ``module`` when a pipeline call ran it), as plain strings."""
+
+    kind: str
+    message: str
+    rank: int
+    module: str | None = None
+    context: str = ""
+
+    def line(self) -> str:
+        """``ValueError: boom [raised on rank 1 in module 'faulty', microbatch 0, forward]``."""
+        where = f"raised on rank {self.rank}"
+        if self.module:
+            where += f" in module {self.module!r}"
+        if self.context:
+            where += f", {self.context}"
+        text = f"{self.kind}: {self.message}" if self.message else self.kind
+        return f"{text} [{where}]"
+
+
+def root_of(exc: BaseException, rank: int, module: str | None = None, context: str = "") -> RootCause:
+    """The root cause ``exc`` already carries (a ``RemoteError`` passed on), else ``exc`` itself on ``rank``."""
+    carried = getattr(exc, "root", None)
+    if isinstance(carried, RootCause):
+        return carried
+    return RootCause(_type_name(exc), _first_line(exc), rank, module, context)
+
+
+def summary(exc: BaseException) -> str:
+    """One line: the carried root cause when there is one, else ``Type: first line of the message``."""
+    carried = getattr(exc, "root", None)
+    if isinstance(carried, RootCause):
+        return carried.line()
+    message = _first_line(exc)
+    return f"{_type_name(exc)}: {message}" if message else _type_name(exc)
+
+
+def write_error_file(message: str, details: str) -> None:
+    """torch elastic's error file, when the launcher asked for one: ``message`` and a ``details`` traceback.
+
+    torchrun prints ``details`` (``py_callstack``) under "Root Cause"; best effort, never raises.
+    """
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": details, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as handle:
+            json.dump(data, handle)
+    except OSError:
+        pass
+
+
+def _type_name(exc: BaseException) -> str:
+    """As tracebacks print it: ``ValueError``, ``smp_compat.errors.RemoteError``."""
+    kind = type(exc)
+    module = kind.__module__
+    return kind.__qualname__ if module in ("builtins", "__main__") else f"{module}.{kind.__qualname__}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
+    head = lines[0] if lines else ""
+    prefix = f"{_type_name(exc)}: "
+    return head[len(prefix) :] if head.startswith(prefix) else ("" if head == _type_name(exc) else head)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (used to broadcast a failure to every rank)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

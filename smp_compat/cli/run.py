@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from smp_compat.affinity import BIND_ENV
+from smp_compat.globalstate import BIND_ENV
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
 from smp_compat.errors import SMPConfigError
 from smp_compat.checkpoints.load_policy import TRUST_ENV, TRUST_FLAG, trust_value

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import smp_compat as smp
-from smp_compat.affinity import BIND_ENV, bind_from_environment, core_share
+from smp_compat.globalstate import BIND_ENV, bind_from_environment, core_share
 from smp_compat.cli.run import plan_launch
 from smp_compat.testing import run_ranks
 

@@ -21,8 +21,8 @@ __all__: list[str] = []
 PACKAGE = Path(smp_compat.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "_compat": 0, "root_cause": 0,
-    "config": 1, "launch": 1, "affinity": 1, "topology": 1, "failure": 1, "timeline": 1,
+    "errors": 0,
+    "config": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1,
     "globalstate": 2,
     "comm": 3, "ranks": 3,
     "stepping": 4, "partitioning": 4, "precision": 4, "checkpoints": 4,

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 import smp_compat as smp
 from smp_compat.errors import RemoteError
-from smp_compat.root_cause import ERROR_FILE_ENV, RootCause, root_of, summary, write_error_file
+from smp_compat.failure import ERROR_FILE_ENV, RootCause, root_of, summary, write_error_file
 from smp_compat.testing import RankFailure, run_ranks
 
 __all__: list[str] = []
