@@ -66,7 +66,7 @@ def test_smp_nn_modules_equal_torch_at_tp1() -> None:
 
 
 def test_unsupported_hf_model_falls_back_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     smp.init({})
     config = transformers.GPTJConfig(vocab_size=16, n_embd=8, n_layer=1, n_head=2, rotary_dim=2, n_positions=8)
     with smp.tensor_parallelism():
