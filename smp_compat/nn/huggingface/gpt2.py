@@ -76,23 +76,37 @@ class DistributedGPT2Model(DistributedTransformer):
 
         if past_key_values is not None or encoder_hidden_states is not None:
             raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in the tensor-parallel GPT-2")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You have to specify exactly one of input_ids or inputs_embeds")
-        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
-        h = self.wte(input_ids.view(-1, shape[-1])) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            position_ids = torch.arange(shape[-1], device=h.device).unsqueeze(0)
-        h = h + self.wpe(position_ids)
-        if token_type_ids is not None:
-            h = h + self.wte(token_type_ids.view(-1, shape[-1]))
-        h = self.drop(h)
-        mask = None
-        if attention_mask is not None:
-            keep = attention_mask.view(h.shape[0], -1).to(h.dtype)
-            mask = ((1.0 - keep) * torch.finfo(h.dtype).min)[:, None, None, :]
+        h, mask, shape = embed_with_mask(self, input_ids, inputs_embeds, position_ids, token_type_ids, attention_mask)
         h = self.seq_layers((h, mask))[0]
         h = self.ln_f(h).view(*shape, h.shape[-1])
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=h)
+
+
+def embed_with_mask(
+    model: nn.Module,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
+    """HF GPT-style input embedding (``wte`` + ``wpe`` (+ token types), dropout) and the additive mask
+    ``[N, 1, 1, S]`` the distributed layers take; also the input's shape (without the hidden size)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You have to specify exactly one of input_ids or inputs_embeds")
+    shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+    h = model.wte(input_ids.view(-1, shape[-1])) if inputs_embeds is None else inputs_embeds
+    if position_ids is None:
+        position_ids = torch.arange(shape[-1], device=h.device).unsqueeze(0)
+    h = h + model.wpe(position_ids)
+    if token_type_ids is not None:
+        h = h + model.wte(token_type_ids.view(-1, shape[-1]))
+    h = model.drop(h)
+    mask = None
+    if attention_mask is not None:
+        keep = attention_mask.view(h.shape[0], -1).to(h.dtype)
+        mask = ((1.0 - keep) * torch.finfo(h.dtype).min)[:, None, None, :]
+    return h, mask, shape
 
 
 def _copy_block(block: nn.Module, layer: nn.Module) -> None:

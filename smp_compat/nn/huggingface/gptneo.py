@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
-from smp_compat.nn.huggingface.gpt2 import _translate
+from smp_compat.nn.huggingface.gpt2 import _translate, embed_with_mask
 from smp_compat.nn.module import KERNEL_FLAGS, shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
@@ -80,20 +80,7 @@ class DistributedGPTNeoModel(DistributedTransformer):
 
         if past_key_values is not None:
             raise SMPUnsupportedError("past_key_values (KV cache) in the tensor-parallel GPT-Neo")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You have to specify exactly one of input_ids or inputs_embeds")
-        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
-        h = self.wte(input_ids.view(-1, shape[-1])) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            position_ids = torch.arange(shape[-1], device=h.device).unsqueeze(0)
-        h = h + self.wpe(position_ids)
-        if token_type_ids is not None:
-            h = h + self.wte(token_type_ids.view(-1, shape[-1]))
-        h = self.drop(h)
-        mask = None
-        if attention_mask is not None:
-            keep = attention_mask.view(h.shape[0], -1).to(h.dtype)
-            mask = ((1.0 - keep) * torch.finfo(h.dtype).min)[:, None, None, :]
+        h, mask, shape = embed_with_mask(self, input_ids, inputs_embeds, position_ids, token_type_ids, attention_mask)
         h = self.ln_f(self.seq_layers((h, mask))[0]).view(*shape, h.shape[-1])
         return BaseModelOutputWithPast(last_hidden_state=h)
 
