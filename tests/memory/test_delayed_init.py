@@ -385,12 +385,10 @@ def _check_gpt2(results: list[dict]) -> None:
 
 
 def test_hf_gpt2_delayed_at_pp1() -> None:
-    pytest.importorskip("transformers")
     _check_gpt2([_gpt2(1)])
 
 
 def test_hf_gpt2_delayed_at_pp2() -> None:
-    pytest.importorskip("transformers")
     results = run_ranks(_gpt2, 2, 2, timeout=180)
     assert results[0]["losses"] == results[1]["losses"]
     assert not set(results[0]["fresh"]) & set(results[1]["fresh"])  # each rank materialized only its own
