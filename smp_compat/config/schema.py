@@ -89,7 +89,7 @@ class SMPConfig(BaseModel):
     activation_loading_horizon: NonNegInt = 4
     """How early offloaded activations are brought back."""
     shard_optimizer_state: bool = False
-    """Shard optimizer state across data-parallel ranks (needs ddp)."""
+    """Shard optimizer state across the ranks holding the same parameters (the rdp group; needs ddp)."""
     prescaled_batch: bool = False
     """Every rank of a tensor-parallel group gets the same batch (needs optimize="speed")."""
     skip_tracing: bool = False

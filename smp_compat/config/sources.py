@@ -114,11 +114,6 @@ def _check_unsupported(params: Mapping[str, Any]) -> None:
                 f'"{key}": {default!r} (or remove the key) to run without it.'
             )
     tp, pp = params.get("tensor_parallel_degree", 1), params.get("pipeline_parallel_degree", params.get("partitions", 1))
-    if _is_non_default(tp, 1) and params.get("shard_optimizer_state") is True:
-        raise SMPUnsupportedError(
-            f"tensor_parallel_degree={tp!r} with shard_optimizer_state=True (optimizer-state sharding over the rdp "
-            "group) is not implemented yet; set shard_optimizer_state to False."
-        )
     if _is_non_default(tp, 1) and _is_non_default(pp, 1):
         raise SMPUnsupportedError(
             f"tensor_parallel_degree={tp!r} with pipeline_parallel_degree={pp!r} (tensor parallelism combined with "

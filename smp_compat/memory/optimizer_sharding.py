@@ -1,10 +1,15 @@
-"""``shard_optimizer_state``: ZeRO-1 over the data-parallel group.
+"""``shard_optimizer_state``: ZeRO-1 over the reduced-data-parallel (rdp) group.
 
-Every data-parallel rank holds the same (averaged) gradients after a step call; each keeps optimizer
-state for only its share of this pipeline stage's parameters, steps only those, then broadcasts them,
-so parameters stay identical across replicas while optimizer memory per rank drops to about 1/dp.
-Shares are decided after partitioning (which decides what is local), greedily by size, the same way
-on every rank.
+Every rdp rank holds the same (averaged) gradients after a step call; each keeps optimizer state for
+only its share of this rank's local parameters, steps only those, then broadcasts them, so parameters
+stay identical across replicas while optimizer memory per rank drops to about 1/rdp. Shares are
+decided after partitioning (which decides what is local), greedily by size, the same way on every rank.
+
+The group is SMP's: the ranks that hold the same parameters. Without tensor parallelism it is the whole
+data-parallel group (rdp = dp). With it, each tp rank's shards are split among its rdp group, and so are
+the replicated (non-distributed) parameters: every tp rank steps the same share of them from the same
+averaged gradients, identically, so they stay equal across the tp group without extra traffic, at 1/rdp
+(not 1/dp) of their optimizer state per rank.
 
 With fp16/bf16 the sharding restricts the *wrapped* torch optimizer (so fp32 masters exist only for this
 rank's share) but hooks ``step``/``zero_grad`` of the *outer* ``FP16Optimizer``: the shares may only be
@@ -44,16 +49,16 @@ class OptimizerSharding:
         outer.zero_grad = self.zero_grad
 
     def apply(self, model: Any) -> None:
-        """Split the local parameters among the dp ranks and drop the others from the param groups."""
+        """Split the local parameters among the rdp ranks and drop the others from the param groups."""
         topo = state.topology
         self.local = [p for p in model.local_parameters() if p.requires_grad]
-        loads = [0] * topo.dp_size
-        self.shares = [[] for _ in range(topo.dp_size)]
+        loads = [0] * topo.rdp_size
+        self.shares = [[] for _ in range(topo.rdp_size)]
         for p in sorted(self.local, key=lambda p: -p.numel()):  # stable sort: ties keep parameter order
             owner = loads.index(min(loads))
             self.shares[owner].append(p)
             loads[owner] += p.numel()
-        mine = {id(p) for p in self.shares[topo.coords(state.rank).dp_rank]}
+        mine = {id(p) for p in self.shares[topo.coords(state.rank).rdp_rank]}
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]
 
@@ -63,9 +68,9 @@ class OptimizerSharding:
         if getattr(self._outer, "overflow", False):  # a skipped step (agreed by every rank): nothing changed
             return result
         topo = state.topology
-        members = topo.get_dp_group(state.rank)
-        for dp_rank, share in enumerate(self.shares):
-            grads.broadcast_tensors([p.data for p in share], members[dp_rank], process_group("dp"), topo.dp_size)
+        members = topo.get_rdp_group(state.rank)
+        for rdp_rank, share in enumerate(self.shares):
+            grads.broadcast_tensors([p.data for p in share], members[rdp_rank], process_group("rdp"), topo.rdp_size)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -4,15 +4,14 @@
 (``optimizer.optimizer``, for LR schedulers) steps fp32 copies of this rank's parameters; ``step()`` copies
 the 16-bit gradients in, unscales them, and skips the step on every pipeline stage if any stage
 overflowed. fp16 scales the loss in ``model.backward`` (static or dynamic, SMP's dynamic-scaler rules);
-bf16 does not scale. With ``shard_optimizer_state`` each data-parallel rank has masters for its share only,
-so the overflow flag and ``clip_master_grads``' norm are reduced over the whole world (pipeline stages x
-data-parallel shares), not only over the pipeline.
+bf16 does not scale. With ``shard_optimizer_state`` each rdp rank has masters for its share only, so the
+overflow flag is agreed over the whole world (pipeline stages x tp x data-parallel shares), not only over
+the model replica; ``clip_master_grads``' norm is in ``master_norm.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from smp_compat.globalstate import process_group, state
+from smp_compat.precision.master_norm import global_norm
 from smp_compat.precision.skipped_steps import SkipWatch
 
 __all__ = ["LossScaler", "FP16Optimizer"]
@@ -168,8 +168,7 @@ class FP16Optimizer:
         if self.overflow:
             return -1.0
         grads = [m.grad for _, m in self._pairs if m.grad is not None]
-        replicated = [not hasattr(p, "_smp_tp_dim") for p, m in self._pairs if m.grad is not None]
-        total = _global_norm(grads, norm_type, _agreement_group(self._sharded), replicated)
+        total = global_norm(self._pairs, list(self.model.local_parameters()), norm_type, self._sharded)
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
             for g in grads:
@@ -190,26 +189,8 @@ class FP16Optimizer:
         return result
 
 
-def _global_norm(
-    grads: list[torch.Tensor], norm_type: float, group: Any, replicated: list[bool] | None = None
-) -> float:
-    """Norm over ``group``; a gradient replicated over the tp group is counted once, not tp times."""
-    tp = state.topology.tp_size if state.initialized else 1
-    weights = [1.0 / tp if tp > 1 and (replicated is None or r) else 1.0 for r in (replicated or [True] * len(grads))]
-    if math.isinf(norm_type):
-        local = max((g.abs().max() for g in grads), default=torch.zeros(())).float().to(state.device)
-        op = dist.ReduceOp.MAX
-    else:
-        local = sum((w * g.float().norm(norm_type) ** norm_type for g, w in zip(grads, weights)),
-                    torch.zeros((), device=state.device)).float()  # fmt: skip
-        op = dist.ReduceOp.SUM
-    if group is not None:
-        dist.all_reduce(local, op=op, group=group)
-    return float(local.item() if math.isinf(norm_type) else local.item() ** (1.0 / norm_type))
-
-
 def _agreement_group(sharded: bool) -> Any:
-    """Who must agree on overflow and norm: the pipeline, or everyone when data-parallel ranks hold shares."""
+    """Who must agree on overflow: the model replica (mp), or everyone when data-parallel ranks hold shares."""
     if not state.initialized:
         return None
     if sharded and state.topology.dp_size > 1:
