@@ -86,7 +86,7 @@ def test_sharded_adamw_equals_unsharded_and_plain_pytorch(prescaled: bool) -> No
         assert len(mine) == 2 and sum(mine) == plain[tp_rank]["state"]
 
 
-def _train_fp16(shard: bool, clip: float) -> dict:
+def _train_fp16(shard: bool, clip: float, inf_at: int | None = None) -> dict:
     import smp_compat as smp
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "fp16": True, "shard_optimizer_state": shard})
@@ -97,6 +97,10 @@ def _train_fp16(shard: bool, clip: float) -> dict:
     opt = smp.DistributedOptimizer(_adamw(model.parameters()), dynamic_loss_scale=True,
                                    dynamic_loss_args={"init_scale": 2.0**16})  # fmt: skip
 
+    step_index = [0]
+    if inf_at is not None and smp.tp_rank() == 1 and smp.rdp_rank() == 0:  # one rank's shard only
+        net.proj.weight.register_hook(lambda g: g * float("inf") if step_index[0] == inf_at else g)
+
     @smp.step
     def train_step(ids: torch.Tensor) -> torch.Tensor:
         loss = tm.lm_loss(model(ids), ids)
@@ -104,12 +108,12 @@ def _train_fp16(shard: bool, clip: float) -> dict:
         return loss
 
     norms, losses = [], []
-    for ids in tm.batches(6):
+    for step_index[0], ids in enumerate(tm.batches(6)):
         opt.zero_grad()
         losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
         norms.append(opt.clip_master_grads(clip))
         opt.step()
-    return {"losses": losses, "norms": norms, "scale": opt.loss_scale,
+    return {"losses": losses, "norms": norms, "scale": opt.loss_scale, "tp": smp.tp_rank(),
             "local": {n: p.detach().clone() for n, p in model.local_named_parameters()}}  # fmt: skip
 
 
@@ -124,6 +128,17 @@ def test_sharded_fp16_equals_unsharded_bitwise_with_clipping() -> None:
         assert s["norms"] == plain[0]["norms"]  # one norm for the whole model, on every rank
         for name, value in s["local"].items():
             assert torch.equal(value, p["local"][name]), f"{name}: sharded differs from unsharded"
+
+
+def test_an_overflow_in_one_tp_ranks_share_skips_the_step_everywhere() -> None:
+    """Only the tp = 1 ranks see the inf, and only the owner of proj.weight's share finds it: all must skip."""
+    results = run_ranks(_train_fp16, 4, True, 1e9, 4, timeout=180)
+    for r in results:
+        assert r["norms"][4] == -1.0 and r["norms"][3] > 0 and r["norms"][5] > 0, r["norms"]
+        assert r["scale"] == results[0]["scale"]
+    for tp_rank in (0, 1):  # the rdp replicas of each tp rank stay identical
+        a, b = (r["local"] for r in results if r["tp"] == tp_rank)
+        assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def _resumable(path: str, steps: range, save_after: int | None, resume: bool) -> dict:
