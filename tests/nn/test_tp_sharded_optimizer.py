@@ -132,7 +132,7 @@ def test_sharded_fp16_equals_unsharded_bitwise_with_clipping() -> None:
 
 def test_an_overflow_in_one_tp_ranks_share_skips_the_step_everywhere() -> None:
     """Only the tp = 1 ranks see the inf, and only the owner of proj.weight's share finds it: all must skip."""
-    results = run_ranks(_train_fp16, 4, True, 1e9, 4, timeout=180)
+    results = run_ranks(_train_fp16, 4, True, 1e9, 4, timeout=90)  # a disagreement hangs
     for r in results:
         assert r["norms"][4] == -1.0 and r["norms"][3] > 0 and r["norms"][5] > 0, r["norms"]
         assert r["scale"] == results[0]["scale"]
