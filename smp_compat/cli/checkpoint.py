@@ -217,9 +217,7 @@ def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | Non
     if ns.optimizer:
         path = Path(ns.optimizer)
         optimizer = dict(convert.optimizer_dict_of(convert.load_file(path, ns.unsafe), None, path))
-    if table is None and ns.tp > 1:
-        tp_reshard.shard_table({}, ns.tp, str(ns.like or source))  # raises the explained error
-    return sd, table, optimizer
+    return sd, table, optimizer  # no record and --tp > 1: split_grid explains what to pass
 
 
 def _split(ns: argparse.Namespace) -> int:

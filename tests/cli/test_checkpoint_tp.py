@@ -1,0 +1,132 @@
+"""``smp-compat checkpoint merge|split`` across tensor-parallel degrees: a tp = 2 GPT-2 checkpoint merged into
+the job's full state dict (and stock HF), re-cut for tp = 1 and back to tp = 2, each resume continuing the
+training exactly as the uninterrupted run does (fp32, SGD with momentum so the optimizer state matters)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import transformers  # the test extra installs it: these tests must run, not skip
+
+import tp_models as tm
+from smp_compat.checkpoints import convert
+from smp_compat.cli import main
+from smp_compat.errors import CheckpointError
+from smp_compat.testing import run_ranks
+
+__all__: list[str] = []
+
+STEPS = 6
+PROBE = tm.batches(1, 2)[0]  # the logits compared between the job and stock HF
+
+
+def _config() -> Any:
+    return transformers.GPT2Config(vocab_size=tm.VOCAB, n_positions=tm.SEQ, n_embd=tm.HIDDEN, n_layer=2,
+                                   n_head=tm.HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+
+
+def _job(tp: int, steps: range, resume: tuple[str, str] | None, save: tuple[str, str, int] | None) -> dict:
+    """Train the given global steps at ``tp`` (resuming first, saving a partial checkpoint after step save[2])."""
+    import smp_compat as smp
+
+    smp.init({"tensor_parallel_degree": tp, "ddp": True})
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        hf = transformers.GPT2LMHeadModel(_config())
+    model = smp.DistributedModel(hf)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+    if resume is not None:
+        smp.resume_from_checkpoint(resume[0], tag=resume[1])
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    out: dict[str, Any] = {"losses": {}}
+    data = tm.batches(STEPS)
+    for step in steps:
+        opt.zero_grad()
+        out["losses"][step] = train_step(tm.my_samples(smp, data[step])).reduce_mean().item()
+        opt.step()
+        if save is not None and step == save[2]:
+            smp.save_checkpoint(save[0], save[1], model=model, optimizer=opt)
+            out["full"] = {k: v.clone() for k, v in model.state_dict().items()}  # (it aliases replicated params)
+            with torch.no_grad():
+                out["logits"] = model(input_ids=PROBE).logits
+    out["local"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """tp = 2 on 2 ranks, steps 0-3 uninterrupted, a partial checkpoint after step 1."""
+    root = tmp_path_factory.mktemp("tp2")
+    return root, run_ranks(_job, 2, 2, range(4), None, (str(root), "s1", 1), timeout=240)
+
+
+def _mean_losses(results: list[dict], steps: range) -> torch.Tensor:
+    return torch.tensor([[r["losses"][s] for s in steps] for r in results]).mean(dim=0)
+
+
+def test_merge_joins_tp_shards_into_the_full_state_dict_and_stock_hf(tp2_run: tuple[Path, list[dict]],
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    root, results = tp2_run
+    assert sorted(p.name for p in (root / "s1_partial").glob("model_*")) == ["model_0_0.pt", "model_0_1.pt"]
+    out, hf_out, opt_out = tmp_path / "model.pt", tmp_path / "hf.pt", tmp_path / "optim.pt"
+    assert main(["checkpoint", "merge", str(root), "-o", str(out), "--optimizer-output", str(opt_out)]) == 0
+    merged, full = torch.load(out, weights_only=True), results[0]["full"]
+    assert list(merged) == list(full)  # the same names, in the job's order
+    for name, value in full.items():
+        assert torch.equal(merged[name], value), name
+    optim = torch.load(opt_out, weights_only=True)
+    attn = optim["_smp_param_names"].index("transformer.seq_layers.0.attention.query_weight")
+    assert optim["state"][attn]["momentum_buffer"].shape == full["transformer.seq_layers.0.attention.query_weight"].shape
+    assert main(["checkpoint", "merge", str(root), "-o", str(hf_out), "--translate", "hf-gpt2"]) == 0
+    stock = transformers.GPT2LMHeadModel(_config())
+    stock.load_state_dict(torch.load(hf_out, weights_only=True), strict=True)
+    with torch.no_grad():
+        logits = stock(input_ids=PROBE).logits
+    torch.testing.assert_close(logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _assert_losses(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_split_to_tp1_and_back_to_tp2_continue_the_training(tp2_run: tuple[Path, list[dict]], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    root, tp2 = tp2_run
+    model, optim = tmp_path / "model.pt", tmp_path / "optim.pt"
+    assert main(["checkpoint", "merge", str(root), "-o", str(model), "--optimizer-output", str(optim)]) == 0
+    assert main(["checkpoint", "split", str(model), "--tp", "2", "-o", str(tmp_path / "x")]) == 2
+    assert "--like" in capsys.readouterr().err  # a plain dict does not say which entries are shards
+    tp1_dir = tmp_path / "tp1"
+    assert main(["checkpoint", "split", str(model), "--tp", "1", "--like", str(root), "--optimizer", str(optim),
+                 "-o", str(tp1_dir), "--tag", "from_tp2"]) == 0  # fmt: skip
+    assert "model and optimizer" in capsys.readouterr().out
+    # tp = 1 on one rank: resumes the tp = 2 checkpoint, matches its continuation, then saves at tp = 1
+    tp1 = run_ranks(_job, 1, 1, range(2, STEPS), (str(tp1_dir), "from_tp2"), (str(tp1_dir), "s3", 3), timeout=180)
+    _assert_losses(_mean_losses(tp1, range(2, 4)), _mean_losses(tp2, range(2, 4)))
+    # the tp = 1 checkpoint re-cut for tp = 2 straight from its folder (its own shard record, optimizer included)
+    tp2_dir = tmp_path / "tp2"
+    assert main(["checkpoint", "split", str(tp1_dir), "--source-tag", "s3", "--tp", "2", "-o", str(tp2_dir),
+                 "--tag", "from_tp1"]) == 0  # fmt: skip
+    again = run_ranks(_job, 2, 2, range(4, STEPS), (str(tp2_dir), "from_tp1"), None, timeout=180)
+    _assert_losses(_mean_losses(again, range(4, STEPS)), _mean_losses(tp1, range(4, STEPS)))
+    assert again[0]["local"] == tp2[0]["local"] < tp1[0]["local"]  # each tp rank holds only its shards
+
+
+def test_split_refuses_what_it_cannot_cut(tp2_run: tuple[Path, list[dict]], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    root, _ = tp2_run
+    assert main(["checkpoint", "split", str(root), "--tp", "3", "-o", str(tmp_path / "x")]) == 2
+    assert "not divisible by 3" in capsys.readouterr().err  # 4 heads, hidden 16: tp = 3 cannot cut them
+    sd, table = convert.merge_model_with_shards(convert.detect_layout(root))
+    assert table["transformer.seq_layers.0.attention.query_weight"] == {"dim": 0, "blocks": 1, "shape": [16, 16]}
+    assert "transformer.wte.weight" not in table  # tied to the replicated lm_head: not distributed
