@@ -283,12 +283,10 @@ def merge_model_with_shards(
     """
     if not layout.model_parts:
         raise CheckpointError(f"{layout.folder or 'The source'} has no model parts (it was saved without a model).")
-    where = str(layout.folder or layout.model_parts[0].path.parent)
-    grid = _by_pp(p for p in layout.model_parts if not p.rdp_rank)
     dicts, table = [], None
-    for parts in grid:
-        merged_pp, pp_table = tp_reshard.merge_tp_model(
-            [model_dict_of(load_file(p.path, unsafe), key, p.path) for p in parts], where)  # fmt: skip
+    for group in _groups((p for p in layout.model_parts if not p.rdp_rank), lambda p: p.pp_rank):
+        loaded = [model_dict_of(load_file(p.path, unsafe), key, p.path) for p in group]
+        merged_pp, pp_table = tp_reshard.merge_tp_model(loaded, str(layout.folder or group[0].path.parent))
         dicts.append(merged_pp)
         table = {**(table or {}), **pp_table} if pp_table is not None else table
     merged = state_dicts.merge_model_parts(dicts)
@@ -299,12 +297,12 @@ def merge_model_with_shards(
     return stripped, table
 
 
-def _by_pp(parts: Any) -> list[list[PartFile]]:
-    """Parts grouped per pipeline rank (in pp order), each group in tp_rank order."""
-    grid: dict[int, list[PartFile]] = {}
+def _groups(parts: Any, by: Any) -> list[list[PartFile]]:
+    """Parts grouped by ``by(part)`` (groups in that order), each group in tp_rank order."""
+    grid: dict[Any, list[PartFile]] = {}
     for part in parts:
-        grid.setdefault(part.pp_rank, []).append(part)
-    return [sorted(grid[pp], key=lambda p: p.tp_rank) for pp in sorted(grid)]
+        grid.setdefault(by(part), []).append(part)
+    return [sorted(grid[k], key=lambda p: p.tp_rank) for k in sorted(grid)]
 
 
 def merge_optimizer(layout: Layout, key: str | None = None, unsafe: bool = False) -> dict[str, Any]:
@@ -315,18 +313,13 @@ def merge_optimizer(layout: Layout, key: str | None = None, unsafe: bool = False
     if not parts:
         raise CheckpointError(f"{layout.folder or 'The source'} has no optimizer parts.")
     table = None
-    if layout.tp_size > 1:
-        model_part = min(layout.model_parts, key=lambda p: (p.pp_rank, p.tp_rank)) if layout.model_parts else None
-        loaded = model_dict_of(load_file(model_part.path, unsafe), None, model_part.path) if model_part else {}
-        table = tp_reshard.shard_table(loaded, layout.tp_size, str(layout.folder or parts[0].path.parent))
-    groups: dict[tuple[int, int], list[PartFile]] = {}
-    for p in parts:
-        groups.setdefault((p.pp_rank, p.rdp_rank or 0), []).append(p)
-    dicts = []
-    for group_key in sorted(groups):
-        ordered = sorted(groups[group_key], key=lambda p: p.tp_rank)
-        loaded_parts = [optimizer_dict_of(load_file(p.path, unsafe), key, p.path) for p in ordered]
-        dicts.append(tp_reshard.merge_tp_optimizer(loaded_parts, table, str(ordered[0].path)))
+    if layout.tp_size > 1:  # the shard record is in the model parts (the first one has the whole table)
+        first = layout.model_parts[0].path if layout.model_parts else None
+        table = tp_reshard.shard_table(model_dict_of(load_file(first, unsafe), None, first) if first else {},
+                                       layout.tp_size, str(layout.folder or parts[0].path.parent))  # fmt: skip
+    dicts = [tp_reshard.merge_tp_optimizer([optimizer_dict_of(load_file(p.path, unsafe), key, p.path) for p in group],
+                                           table, str(group[0].path))
+             for group in _groups(parts, lambda p: (p.pp_rank, p.rdp_rank or 0))]  # fmt: skip
     return optimizer_state.merge_optimizer_parts(dicts)
 
 
@@ -426,17 +419,17 @@ def _balanced_owners(entries: Mapping[str, Any], pp: int) -> dict[str, int]:
 def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.PathLike[str], tag: str,
                            plan: Mapping[str, Any] | None = None, optimizer_grid: list[list[Any]] | None = None
                            ) -> Path:  # fmt: skip
-    """A resumable partial checkpoint folder from split parts ``grid[pp][tp]`` (and optimizer parts), published atomically."""
+    """A resumable partial checkpoint folder from parts ``grid[pp][tp]`` (and optimizer parts), published atomically."""
     root = Path(root)
     name = f"{folders.check_tag(tag)}{folders.PARTIAL_SUFFIX}"
     root.mkdir(parents=True, exist_ok=True)
     folders.recover_interrupted(root)
     staging = folders.staging_folder(root, name)
     pp, tp = len(grid), len(grid[0])
-    for (pp_rank, tp_rank), part in _cells(grid):
+    for (pp_rank, tp_rank), part, optimizer in _cells(grid, optimizer_grid):
         atomic_save(part, staging / folders.model_file(pp_rank, tp_rank))
-    for (pp_rank, tp_rank), part in _cells(optimizer_grid or []):
-        atomic_save(part, staging / folders.optimizer_file(pp_rank, tp_rank))
+        if optimizer is not None:
+            atomic_save(optimizer, staging / folders.optimizer_file(pp_rank, tp_rank))
     atomic_save(None, staging / folders.USER_CONTENT_FILE)
     partition = None
     if plan is not None:
@@ -449,15 +442,14 @@ def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.P
     return root / name
 
 
-def _cells(grid: list[list[Any]]) -> list[tuple[tuple[int, int], Any]]:
-    return [((pp, tp), part) for pp, row in enumerate(grid) for tp, part in enumerate(row)]
+def _cells(grid: list[list[Any]], other: list[list[Any]] | None = None) -> list[tuple[tuple[int, int], Any, Any]]:
+    """((pp, tp), part, the other grid's part or None) for every cell of ``grid[pp][tp]``."""
+    return [((pp, tp), part, other[pp][tp] if other else None)
+            for pp, row in enumerate(grid) for tp, part in enumerate(row)]  # fmt: skip
 
 
 def write_save_parts(grid: list[list[Mapping[str, Any]]], base: str | os.PathLike[str]) -> list[Path]:
     """``smp.save`` part files ``{base}_{pp}_{tp}.pt`` from ``grid[pp][tp]`` (load them with ``smp.load(base)``)."""
-    paths = []
-    for (pp_rank, tp_rank), part in _cells(grid):
-        path = Path(f"{base}_{pp_rank}_{tp_rank}.pt")
-        atomic_save(part, path)
-        paths.append(path)
-    return paths
+    for (pp_rank, tp_rank), part, _ in _cells(grid):
+        atomic_save(part, f"{base}_{pp_rank}_{tp_rank}.pt")
+    return [Path(f"{base}_{pp_rank}_{tp_rank}.pt") for (pp_rank, tp_rank), _, _ in _cells(grid)]

@@ -52,7 +52,8 @@ def _join(values: Sequence[torch.Tensor], spec: Mapping[str, Any]) -> torch.Tens
     dim, blocks = spec["dim"], spec["blocks"]
     if blocks == 1:
         return torch.cat(list(values), dim=dim)
-    return torch.cat([torch.cat([v.chunk(blocks, dim=dim)[s] for v in values], dim=dim) for s in range(blocks)], dim=dim)
+    sections = [torch.cat([v.chunk(blocks, dim=dim)[s] for v in values], dim=dim) for s in range(blocks)]
+    return torch.cat(sections, dim=dim)
 
 
 def _cut(value: torch.Tensor, spec: Mapping[str, Any], tp: int, name: str) -> list[torch.Tensor]:

@@ -13,8 +13,11 @@ from smp_compat.checkpoints.serialization import atomic_save
 
 __all__ = ["checkpoint_command"]
 
-_TRANSLATIONS = {"hf-gpt2": "gpt2.translate_state_dict_to_hf_gpt2", "hf-gptneo": "gptneo.translate_state_dict_to_hf_gptneo",
-                 "hf-bert": "bert.translate_state_dict_to_hf_bert"}  # fmt: skip
+_TRANSLATIONS = {
+    "hf-gpt2": "gpt2.translate_state_dict_to_hf_gpt2",
+    "hf-gptneo": "gptneo.translate_state_dict_to_hf_gptneo",
+    "hf-bert": "bert.translate_state_dict_to_hf_bert",
+}
 """``merge --translate``: SMP's translate functions of the swapped Hugging Face models, by module."""
 
 _EPILOG = """\
@@ -127,6 +130,8 @@ def _info(ns: argparse.Namespace) -> int:
     if layout.folder is not None:
         print(f"folder: {layout.folder}")
     print(f"pipeline parts: {layout.pp_size}")
+    if layout.tp_size > 1 or layout.model_parts:
+        print(f"tensor-parallel parts: {layout.tp_size}{_shard_record(layout, ns.unsafe)}")
     for part in layout.model_parts:
         print(f"  model     pp={part.pp_rank} tp={part.tp_rank}{_rdp(part)}  {part.path.name}")
     for part in layout.optimizer_parts:
@@ -143,6 +148,18 @@ def _info(ns: argparse.Namespace) -> int:
         if newest:
             print(f"newest (oldest first): {', '.join(newest)}")
     return 0
+
+
+def _shard_record(layout: convert.Layout, unsafe: bool) -> str:
+    """Whether the parts say which entries are tp shards (needed to merge tp > 1 or split for another tp)."""
+    first = layout.model_parts[0].path
+    try:
+        table = tp_reshard.shard_table(convert.model_dict_of(convert.load_file(first, unsafe), None, first), 1, "")
+    except CheckpointError:
+        return ""
+    if table is None:
+        return " (no shard record: " + ("cannot be merged)" if layout.tp_size > 1 else "cannot be re-cut for tp > 1)")
+    return f" (shard record: {len(table)} tensor-parallel entries)"
 
 
 def _rdp(part: convert.PartFile) -> str:
@@ -169,6 +186,8 @@ def _merge_sharded(ns: argparse.Namespace, folder: Path) -> int:
     from smp_compat.sdp.checkpoint import merge_sharded
 
     model_sd, optimizer_sd = merge_sharded(folder)
+    if ns.translate:
+        model_sd = _translate(model_sd, ns.translate, ns.max_seq_len)
     atomic_save(model_sd, ns.output)
     print(f"wrote {ns.output}: {len(model_sd)} tensors from sharded checkpoint {folder} (DCP)")
     if ns.optimizer_output:

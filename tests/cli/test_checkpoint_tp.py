@@ -86,7 +86,7 @@ def test_merge_joins_tp_shards_into_the_full_state_dict_and_stock_hf(tp2_run: tu
         assert torch.equal(merged[name], value), name
     optim = torch.load(opt_out, weights_only=True)
     attn = optim["_smp_param_names"].index("transformer.seq_layers.0.attention.query_weight")
-    assert optim["state"][attn]["momentum_buffer"].shape == full["transformer.seq_layers.0.attention.query_weight"].shape
+    assert optim["state"][attn]["momentum_buffer"].shape == (tm.HIDDEN, tm.HIDDEN)  # joined like its parameter
     assert main(["checkpoint", "merge", str(root), "-o", str(hf_out), "--translate", "hf-gpt2"]) == 0
     stock = transformers.GPT2LMHeadModel(_config())
     stock.load_state_dict(torch.load(hf_out, weights_only=True), strict=True)
@@ -130,3 +130,5 @@ def test_split_refuses_what_it_cannot_cut(tp2_run: tuple[Path, list[dict]], tmp_
     sd, table = convert.merge_model_with_shards(convert.detect_layout(root))
     assert table["transformer.seq_layers.0.attention.query_weight"] == {"dim": 0, "blocks": 1, "shape": [16, 16]}
     assert "transformer.wte.weight" not in table  # tied to the replicated lm_head: not distributed
+    assert main(["checkpoint", "info", str(root)]) == 0
+    assert f"tensor-parallel parts: 2 (shard record: {len(table)} tensor-parallel entries)" in capsys.readouterr().out
