@@ -417,9 +417,9 @@ def _balanced_owners(entries: Mapping[str, Any], pp: int) -> dict[str, int]:
 
 
 def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.PathLike[str], tag: str,
-                           plan: Mapping[str, Any] | None = None, optimizer_grid: list[list[Any]] | None = None
-                           ) -> Path:  # fmt: skip
-    """A resumable partial checkpoint folder from parts ``grid[pp][tp]`` (and optimizer parts), published atomically."""
+                           plan: Mapping[str, Any] | None = None, optimizer_grid: list[list[Any]] | None = None,
+                           fp16_grid: list[list[Any]] | None = None) -> Path:  # fmt: skip
+    """A resumable partial checkpoint folder of parts ``grid[pp][tp]`` (optimizer, fp16 too), published atomically."""
     root = Path(root)
     name = f"{folders.check_tag(tag)}{folders.PARTIAL_SUFFIX}"
     root.mkdir(parents=True, exist_ok=True)
@@ -430,6 +430,8 @@ def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.P
         atomic_save(part, staging / folders.model_file(pp_rank, tp_rank))
         if optimizer is not None:
             atomic_save(optimizer, staging / folders.optimizer_file(pp_rank, tp_rank))
+    for (pp_rank, tp_rank), fp16, _ in _cells(fp16_grid or []):
+        atomic_save(fp16, staging / folders.fp16_file(pp_rank, tp_rank))
     atomic_save(None, staging / folders.USER_CONTENT_FILE)
     partition = None
     if plan is not None:

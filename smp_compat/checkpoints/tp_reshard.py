@@ -20,7 +20,7 @@ from smp_compat.errors import CheckpointError
 
 __all__ = [
     "TP_SHARDS", "shard_table", "merge_tp_model", "split_tp_model", "merge_tp_optimizer", "split_tp_optimizer",
-    "split_grid",
+    "split_grid", "join_shards", "cut_shards",
 ]  # fmt: skip
 
 TP_SHARDS = "tp_shards"
@@ -47,7 +47,7 @@ def _local_shape(spec: Mapping[str, Any], tp: int) -> list[int]:
     return shape
 
 
-def _join(values: Sequence[torch.Tensor], spec: Mapping[str, Any]) -> torch.Tensor:
+def join_shards(values: Sequence[torch.Tensor], spec: Mapping[str, Any]) -> torch.Tensor:
     """The whole tensor from per-tp-rank shards (each rank held its part of every block)."""
     dim, blocks = spec["dim"], spec["blocks"]
     if blocks == 1:
@@ -56,7 +56,7 @@ def _join(values: Sequence[torch.Tensor], spec: Mapping[str, Any]) -> torch.Tens
     return torch.cat(sections, dim=dim)
 
 
-def _cut(value: torch.Tensor, spec: Mapping[str, Any], tp: int, name: str) -> list[torch.Tensor]:
+def cut_shards(value: torch.Tensor, spec: Mapping[str, Any], tp: int, name: str) -> list[torch.Tensor]:
     """Per-tp-rank shards of a whole tensor, as the job's modules cut it (``smp_compat.nn.module.shard``)."""
     dim, blocks = spec["dim"], spec["blocks"]
     if list(value.shape) != list(spec["shape"]):
@@ -92,7 +92,7 @@ def merge_tp_model(parts: Sequence[Mapping[str, Any]], where: str) -> tuple[Orde
         if spec is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
             merged[key] = value
             continue
-        whole = _join([e[key] for e in entries], spec)
+        whole = join_shards([e[key] for e in entries], spec)
         if list(whole.shape) != list(spec["shape"]):
             raise CheckpointError(f"{where}: the shards of {key!r} join to {list(whole.shape)}, not {spec['shape']}.")
         merged[key] = whole
@@ -109,7 +109,8 @@ def split_tp_model(part: Mapping[str, Any], tp: int, table: Table | None) -> lis
     out = [OrderedDict() for _ in range(tp)]
     for key, value in strip_markers(part).items():
         spec = (table or {}).get(key)
-        pieces = _cut(value, spec, tp, key) if spec is not None and isinstance(value, torch.Tensor) else [value] * tp
+        cut = spec is not None and isinstance(value, torch.Tensor)
+        pieces = cut_shards(value, spec, tp, key) if cut else [value] * tp
         for rank in range(tp):
             out[rank][key] = pieces[rank]
     info = {**(part.get(LOAD_INFO_KEY) or {}), "tensor_parallel_degree": tp}
@@ -166,7 +167,7 @@ def merge_tp_optimizer(parts: Sequence[Mapping[str, Any]], table: Table | None, 
         for key, value in first[name].items():
             _check_state(name, key, value, (local,))
             shards = [value] + [o[name][key] for o in others]
-            joined[key] = _join(shards, spec) if _is_shard_state(value, local) else value
+            joined[key] = join_shards(shards, spec) if _is_shard_state(value, local) else value
         state[index] = joined
     return {**parts[0], "state": state}
 
@@ -184,7 +185,7 @@ def split_tp_optimizer(part: Mapping[str, Any], tp: int, table: Table | None) ->
             if spec is not None:
                 _check_state(name, key, value, (list(spec["shape"]),))
             whole = spec is not None and _is_shard_state(value, list(spec["shape"]))
-            pieces = _cut(value, spec, tp, f"{name}:{key}") if whole else [value] * tp
+            pieces = cut_shards(value, spec, tp, f"{name}:{key}") if whole else [value] * tp
             for rank in range(tp):
                 cut[rank][key] = pieces[rank]
         for rank in range(tp):

@@ -218,10 +218,12 @@ def _merge(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | None]:
-    """The whole model dict, its shard record and the optimizer dict (or None) to split."""
+def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | None, dict | None]:
+    """The whole model dict, its shard record, the optimizer dict and the fp16 masters (or None) to split."""
+    from smp_compat.checkpoints.fp16_reshard import merge_fp16_states
+
     source = Path(ns.source)
-    optimizer = None
+    optimizer = fp16 = None
     if source.is_file():
         sd = convert.model_dict_of(convert.load_file(source, ns.unsafe), ns.key, source)
         table = None
@@ -230,29 +232,34 @@ def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | Non
         sd, table = convert.merge_model_with_shards(layout, ns.key, "none", ns.unsafe)
         if layout.optimizer_parts and not ns.optimizer:
             optimizer = convert.merge_optimizer(layout, None, ns.unsafe)
+        fp16 = merge_fp16_states(layout.folder, table, ns.unsafe)
     if ns.like:
         like = convert.detect_layout(ns.like)
         table = convert.merge_model_with_shards(like, None, "none", ns.unsafe)[1] if table is None else table
     if ns.optimizer:
         path = Path(ns.optimizer)
         optimizer = dict(convert.optimizer_dict_of(convert.load_file(path, ns.unsafe), None, path))
-    return sd, table, optimizer  # no record and --tp > 1: split_grid explains what to pass
+    return sd, table, optimizer, fp16  # no record and --tp > 1: split_grid explains what to pass
 
 
 def _split(ns: argparse.Namespace) -> int:
-    sd, table, optimizer = _split_source(ns)
+    from smp_compat.checkpoints.fp16_reshard import split_fp16_states
+
+    sd, table, optimizer, fp16 = _split_source(ns)
     plan = convert.read_plan(ns.plan) if ns.plan else None
     parts = convert.split_model(sd, ns.pp, plan)
-    owners = convert.module_owners(state_dicts.strip_markers(sd), ns.pp, plan) if optimizer is not None else None
+    owners = convert.module_owners(state_dicts.strip_markers(sd), ns.pp, plan)
     grid, optimizer_grid = tp_reshard.split_grid(parts, ns.tp, table, optimizer, owners)
+    fp16_grid = split_fp16_states(fp16, ns.pp, ns.tp, table, owners) if fp16 is not None else None
     if ns.layout == "save":
-        if optimizer_grid:
+        if optimizer_grid or fp16_grid:
             print("note: --layout save writes the model parts only; the optimizer state is not split")
         paths = convert.write_save_parts(grid, ns.output)
         print(f"wrote {len(paths)} smp.save part(s): {', '.join(str(p) for p in paths)} (smp.load({ns.output!r}))")
         return 0
-    folder = convert.write_checkpoint_parts(grid, ns.output, ns.tag, plan, optimizer_grid)
+    folder = convert.write_checkpoint_parts(grid, ns.output, ns.tag, plan, optimizer_grid, fp16_grid)
     with_optimizer = "model and optimizer" if optimizer_grid else "model only"
+    with_optimizer += ", fp32 masters" if fp16_grid else ""
     print(f"wrote {folder} ({with_optimizer}) for pipeline_parallel_degree={ns.pp}, tensor_parallel_degree={ns.tp}: "
           f"resume with smp.resume_from_checkpoint({ns.output!r}, tag={ns.tag!r}"
           + ("" if optimizer_grid else ", load_optimizer=False") + ")")  # fmt: skip

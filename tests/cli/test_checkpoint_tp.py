@@ -132,3 +132,54 @@ def test_split_refuses_what_it_cannot_cut(tp2_run: tuple[Path, list[dict]], tmp_
     assert "transformer.wte.weight" not in table  # tied to the replicated lm_head: not distributed
     assert main(["checkpoint", "info", str(root)]) == 0
     assert f"tensor-parallel parts: 2 (shard record: {len(table)} tensor-parallel entries)" in capsys.readouterr().out
+
+
+def _bf16_job(tp: int, directory: str, resume_tag: str | None) -> dict:
+    """bf16 smp.nn model: trains one step and saves (tag "s"), or resumes ``resume_tag``; returns its fp32 masters."""
+    import smp_compat as smp
+
+    smp.init({"tensor_parallel_degree": tp, "ddp": True, "bf16": True})
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=torch.bfloat16):
+        net = tm.TinySmpLM(smp.nn)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = tm.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    if resume_tag is not None:
+        smp.resume_from_checkpoint(directory, tag=resume_tag)
+    with torch.no_grad():
+        model(tm.my_samples(smp, tm.batches(1)[0]))  # partitions: the resume is applied
+    if resume_tag is None:
+        opt.zero_grad()
+        train_step(tm.my_samples(smp, tm.batches(1)[0]))
+        opt.step()
+        smp.save_checkpoint(directory, "s", model=model, optimizer=opt)
+    return {"masters": opt.local_fp16_state_dict()["fp32_master_params"], "adam": opt.state_dict()["state"]}
+
+
+def test_bf16_masters_and_adam_state_follow_the_recut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from smp_compat.checkpoints.fp16_reshard import merge_fp16_states
+
+    saved = run_ranks(_bf16_job, 2, 2, str(tmp_path / "tp2"), None, timeout=180)
+    table = convert.merge_model_with_shards(convert.detect_layout(tmp_path / "tp2"))[1]
+    whole = merge_fp16_states(tmp_path / "tp2" / "s_partial", table)["fp32_master_params"]
+    proj = whole["proj.weight"]
+    assert proj.shape == (tm.HIDDEN, tm.HIDDEN) and proj.dtype == torch.float32
+    assert torch.equal(proj[:, : tm.HIDDEN // 2], saved[0]["masters"]["proj.weight"])  # row-parallel: dim 1
+    adam = convert.merge_optimizer(convert.detect_layout(tmp_path / "tp2"))
+    assert main(["checkpoint", "split", str(tmp_path / "tp2"), "--tp", "1", "-o", str(tmp_path / "tp1"),
+                 "--tag", "r"]) == 0  # fmt: skip
+    assert "model and optimizer, fp32 masters" in capsys.readouterr().out
+    resumed = run_ranks(_bf16_job, 1, 1, str(tmp_path / "tp1"), "r", timeout=180)[0]
+    for name, value in whole.items():
+        assert torch.equal(resumed["masters"][name], value), name  # exact: not re-made from the bf16 weights
+    assert len(resumed["adam"]) == len(adam["state"]) == len(whole)
+    for i, state in adam["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resumed["adam"][i][key], value), (adam["_smp_param_names"][i], key)
