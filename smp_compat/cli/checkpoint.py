@@ -34,8 +34,9 @@ examples:
 tensor parallelism: partial checkpoints saved by smp_compat record which entries are tp shards (and the
 dim they are cut along), so merge joins them and split re-cuts them for any tp degree that divides the
 model's sizes. The optimizer state follows (tensors of a shard's shape are joined/cut like it; scalars
-such as Adam's step are shared); fp16_states files (fp16/bf16 master copies) are not carried: a split
-checkpoint's masters are re-made from the model weights when resumed. SMP's own tp parts lack the record.
+such as Adam's step are shared). Splitting a checkpoint directly also re-cuts its fp16/bf16 fp32 masters
+(fp16_states files); splitting merged files does not (the masters are then made from the 16-bit weights
+at resume). SMP's own tp parts lack the record: they merge at tp = 1 only. Details: docs/checkpoints.md.
 """
 
 
