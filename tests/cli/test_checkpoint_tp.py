@@ -15,7 +15,6 @@ import transformers  # the test extra installs it: these tests must run, not ski
 import tp_models as tm
 from smp_compat.checkpoints import convert
 from smp_compat.cli import main
-from smp_compat.errors import CheckpointError
 from smp_compat.testing import run_ranks
 
 __all__: list[str] = []
@@ -56,6 +55,8 @@ def _job(tp: int, steps: range, resume: tuple[str, str] | None, save: tuple[str,
         opt.step()
         if save is not None and step == save[2]:
             smp.save_checkpoint(save[0], save[1], model=model, optimizer=opt)
+            bundle = {"model": model.local_state_dict(), "optimizer": opt.local_state_dict(), "step": step}
+            smp.save(bundle, f"{save[0]}/bundle.pt", partial=True)  # AWS's scripts' smp.save parts
             out["full"] = {k: v.clone() for k, v in model.state_dict().items()}  # (it aliases replicated params)
             with torch.no_grad():
                 out["logits"] = model(input_ids=PROBE).logits
@@ -87,6 +88,13 @@ def test_merge_joins_tp_shards_into_the_full_state_dict_and_stock_hf(tp2_run: tu
     optim = torch.load(opt_out, weights_only=True)
     attn = optim["_smp_param_names"].index("transformer.seq_layers.0.attention.query_weight")
     assert optim["state"][attn]["momentum_buffer"].shape == (tm.HIDDEN, tm.HIDDEN)  # joined like its parameter
+    bundle_out, bundle_opt = tmp_path / "b.pt", tmp_path / "bo.pt"
+    assert main(["checkpoint", "merge", str(root / "bundle.pt"), "-o", str(bundle_out),
+                 "--optimizer-output", str(bundle_opt)]) == 0  # fmt: skip
+    assert all(torch.equal(torch.load(bundle_out, weights_only=True)[k], v) for k, v in full.items())
+    from_bundle = torch.load(bundle_opt, weights_only=True)
+    assert all(torch.equal(from_bundle["state"][i]["momentum_buffer"], s["momentum_buffer"])
+               for i, s in optim["state"].items())  # fmt: skip
     assert main(["checkpoint", "merge", str(root), "-o", str(hf_out), "--translate", "hf-gpt2"]) == 0
     stock = transformers.GPT2LMHeadModel(_config())
     stock.load_state_dict(torch.load(hf_out, weights_only=True), strict=True)
