@@ -158,10 +158,8 @@ def _check_complete(parts: list[PartFile], where: str) -> None:
     tps = sorted({p.tp_rank for p in parts})
     missing = sorted({(pp, tp) for pp in pps for tp in range(max(tps) + 1)} - {(p.pp_rank, p.tp_rank) for p in parts})
     if missing:
-        raise CheckpointError(
-            f"{where} has tensor-parallel ranks {tps} but no part for (pp, tp) = {missing[:8]}. Copy every part "
-            "file of the checkpoint."
-        )
+        raise CheckpointError(f"{where} has tensor-parallel ranks {tps} but no part for (pp, tp) = {missing[:8]}. "
+                              "Copy every part file of the checkpoint.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------- reading files
@@ -277,10 +275,7 @@ def merge_model(
 def merge_model_with_shards(
     layout: Layout, key: str | None = None, strip_prefix: str = "auto", unsafe: bool = False
 ) -> tuple[OrderedDict, dict[str, Any] | None]:
-    """``merge_model``, plus the saved shard record (by merged name; None for parts saved without one).
-
-    Tensor-parallel shards of each pipeline rank are joined first (``tp_reshard``), then the pipeline ranks.
-    """
+    """``merge_model`` (tp shards joined per pipeline rank, then the ranks), plus the saved shard record or None."""
     if not layout.model_parts:
         raise CheckpointError(f"{layout.folder or 'The source'} has no model parts (it was saved without a model).")
     dicts, table = [], None
@@ -452,6 +447,8 @@ def _cells(grid: list[list[Any]], other: list[list[Any]] | None = None) -> list[
 
 def write_save_parts(grid: list[list[Mapping[str, Any]]], base: str | os.PathLike[str]) -> list[Path]:
     """``smp.save`` part files ``{base}_{pp}_{tp}.pt`` from ``grid[pp][tp]`` (load them with ``smp.load(base)``)."""
+    paths = []
     for (pp_rank, tp_rank), part, _ in _cells(grid):
-        atomic_save(part, f"{base}_{pp_rank}_{tp_rank}.pt")
-    return [Path(f"{base}_{pp_rank}_{tp_rank}.pt") for (pp_rank, tp_rank), _, _ in _cells(grid)]
+        paths.append(Path(f"{base}_{pp_rank}_{tp_rank}.pt"))
+        atomic_save(part, paths[-1])
+    return paths
