@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from smp_compat.checkpoints import folders, optimizer_state, state_dicts
+from smp_compat.checkpoints import folders, optimizer_state, state_dicts, tp_reshard
 from smp_compat.errors import CheckpointError
 from smp_compat.checkpoints.serialization import atomic_save
 
@@ -31,9 +31,11 @@ __all__ = [
     "model_dict_of",
     "optimizer_dict_of",
     "merge_model",
+    "merge_model_with_shards",
     "merge_optimizer",
     "read_plan",
     "split_model",
+    "module_owners",
     "write_checkpoint_parts",
     "write_save_parts",
     "SMPObject",
@@ -66,6 +68,10 @@ class Layout:
     @property
     def pp_size(self) -> int:
         return len({p.pp_rank for p in self.model_parts or self.optimizer_parts})
+
+    @property
+    def tp_size(self) -> int:
+        return len({p.tp_rank for p in self.model_parts or self.optimizer_parts})
 
 
 # ---------------------------------------------------------------------- detection
@@ -140,21 +146,20 @@ def _save_layout(base: Path) -> Layout:
 
 
 def _check_complete(parts: list[PartFile], where: str) -> None:
-    """Pipeline ranks 0..n-1 all present; tensor-parallel shards cannot be merged (split axes unknown)."""
+    """A part for every (pipeline rank, tensor-parallel rank) pair, both counted from 0."""
     if not parts:
         return
-    tps = sorted({p.tp_rank for p in parts})
-    if tps != [0]:
-        raise CheckpointError(
-            f"{where} has tensor-parallel shards (tp ranks {tps}). smp_compat cannot merge them: the split axis of "
-            "each distributed module is SMP-internal. Save a full state dict (model.state_dict()) in the SMP job."
-        )
     pps = sorted({p.pp_rank for p in parts})
     if pps != list(range(len(pps))):
         raise CheckpointError(
             f"{where} has parts for pipeline ranks {pps}; ranks {sorted(set(range(max(pps) + 1)) - set(pps))} are "
             "missing. Copy every part file of the checkpoint."
         )
+    tps = sorted({p.tp_rank for p in parts})
+    missing = sorted({(pp, tp) for pp in pps for tp in range(max(tps) + 1)} - {(p.pp_rank, p.tp_rank) for p in parts})
+    if missing:
+        raise CheckpointError(f"{where} has tensor-parallel ranks {tps} but no part for (pp, tp) = {missing[:8]}. "
+                              "Copy every part file of the checkpoint.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------- reading files
@@ -264,12 +269,35 @@ def merge_model(
     layout: Layout, key: str | None = None, strip_prefix: str = "auto", unsafe: bool = False
 ) -> OrderedDict:
     """One plain state dict from the model parts (pipeline ranks in order; rdp replica 0 of v3 parts)."""
+    return merge_model_with_shards(layout, key, strip_prefix, unsafe)[0]
+
+
+def merge_model_with_shards(
+    layout: Layout, key: str | None = None, strip_prefix: str = "auto", unsafe: bool = False
+) -> tuple[OrderedDict, dict[str, Any] | None]:
+    """``merge_model`` (tp shards joined per pipeline rank, then the ranks), plus the saved shard record or None."""
     if not layout.model_parts:
         raise CheckpointError(f"{layout.folder or 'The source'} has no model parts (it was saved without a model).")
-    parts = sorted((p for p in layout.model_parts if not p.rdp_rank), key=lambda p: p.pp_rank)
-    dicts = [model_dict_of(load_file(p.path, unsafe), key, p.path) for p in parts]
+    dicts, table = [], None
+    for group in _groups((p for p in layout.model_parts if not p.rdp_rank), lambda p: p.pp_rank):
+        loaded = [model_dict_of(load_file(p.path, unsafe), key, p.path) for p in group]
+        merged_pp, pp_table = tp_reshard.merge_tp_model(loaded, str(layout.folder or group[0].path.parent))
+        dicts.append(merged_pp)
+        table = {**(table or {}), **pp_table} if pp_table is not None else table
     merged = state_dicts.merge_model_parts(dicts)
-    return _strip(merged, strip_prefix)
+    stripped = _strip(merged, strip_prefix)
+    renamed = dict(zip(merged, stripped))  # _strip keeps the order: old name -> new name
+    if table is not None:
+        table = {renamed.get(k, k): v for k, v in table.items()}
+    return stripped, table
+
+
+def _groups(parts: Any, by: Any) -> list[list[PartFile]]:
+    """Parts grouped by ``by(part)`` (groups in that order), each group in tp_rank order."""
+    grid: dict[Any, list[PartFile]] = {}
+    for part in parts:
+        grid.setdefault(by(part), []).append(part)
+    return [sorted(grid[k], key=lambda p: p.tp_rank) for k in sorted(grid)]
 
 
 def merge_optimizer(layout: Layout, key: str | None = None, unsafe: bool = False) -> dict[str, Any]:
@@ -279,8 +307,14 @@ def merge_optimizer(layout: Layout, key: str | None = None, unsafe: bool = False
         parts = layout.model_parts  # smp.save files hold whatever was saved: look for the optimizer inside
     if not parts:
         raise CheckpointError(f"{layout.folder or 'The source'} has no optimizer parts.")
-    ordered = sorted(parts, key=lambda p: (p.pp_rank, p.rdp_rank or 0))
-    dicts = [optimizer_dict_of(load_file(p.path, unsafe), key, p.path) for p in ordered]
+    table = None
+    if layout.tp_size > 1:  # the shard record is in the model parts (the first one has the whole table)
+        first = layout.model_parts[0].path if layout.model_parts else None
+        table = tp_reshard.shard_table(model_dict_of(load_file(first, unsafe), None, first) if first else {},
+                                       layout.tp_size, str(layout.folder or parts[0].path.parent))  # fmt: skip
+    dicts = [tp_reshard.merge_tp_optimizer([optimizer_dict_of(load_file(p.path, unsafe), key, p.path) for p in group],
+                                           table, str(group[0].path))
+             for group in _groups(parts, lambda p: (p.pp_rank, p.rdp_rank or 0))]  # fmt: skip
     return optimizer_state.merge_optimizer_parts(dicts)
 
 
@@ -323,7 +357,7 @@ def split_model(sd: Mapping[str, Any], pp: int, plan: Mapping[str, Any] | None =
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise CheckpointError(f"The pipeline degree to split for must be a positive int, got {pp!r}.")
     entries = state_dicts.strip_markers(sd)
-    owners = _plan_owners(entries, pp, plan) if plan is not None else _balanced_owners(entries, pp)
+    owners = module_owners(entries, pp, plan)
     parts = [OrderedDict() for _ in range(pp)]
     for k, v in entries.items():
         if isinstance(v, torch.Tensor):
@@ -339,6 +373,11 @@ def split_model(sd: Mapping[str, Any], pp: int, plan: Mapping[str, Any] | None =
         part[state_dicts.LOAD_INFO_KEY] = {"tensor_parallel_degree": 1, "pipeline_parallel_degree": pp,
                                            "partition_info": info_plan}  # fmt: skip
     return parts
+
+
+def module_owners(entries: Mapping[str, Any], pp: int, plan: Mapping[str, Any] | None) -> dict[str, int]:
+    """The pipeline rank of each entry's module: by ``plan``, else contiguous runs of about equal bytes."""
+    return _plan_owners(entries, pp, plan) if plan is not None else _balanced_owners(entries, pp)
 
 
 def _plan_owners(entries: Mapping[str, Any], pp: int, plan: Mapping[str, Any]) -> dict[str, int]:
@@ -372,34 +411,44 @@ def _balanced_owners(entries: Mapping[str, Any], pp: int) -> dict[str, int]:
     return {k: rank_of[k.rpartition(".")[0]] for k in entries}
 
 
-def write_checkpoint_parts(parts: list[Mapping[str, Any]], root: str | os.PathLike[str], tag: str,
-                           plan: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
-    """A resumable partial checkpoint folder (model only) from split parts, published atomically."""
+def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.PathLike[str], tag: str,
+                           plan: Mapping[str, Any] | None = None, optimizer_grid: list[list[Any]] | None = None,
+                           fp16_grid: list[list[Any]] | None = None) -> Path:  # fmt: skip
+    """A resumable partial checkpoint folder of parts ``grid[pp][tp]`` (optimizer, fp16 too), published atomically."""
     root = Path(root)
     name = f"{folders.check_tag(tag)}{folders.PARTIAL_SUFFIX}"
     root.mkdir(parents=True, exist_ok=True)
     folders.recover_interrupted(root)
     staging = folders.staging_folder(root, name)
-    pp = len(parts)
-    for rank, part in enumerate(parts):
-        atomic_save(part, staging / folders.model_file(rank, 0))
+    pp, tp = len(grid), len(grid[0])
+    for (pp_rank, tp_rank), part, optimizer in _cells(grid, optimizer_grid):
+        atomic_save(part, staging / folders.model_file(pp_rank, tp_rank))
+        if optimizer is not None:
+            atomic_save(optimizer, staging / folders.optimizer_file(pp_rank, tp_rank))
+    for (pp_rank, tp_rank), fp16, _ in _cells(fp16_grid or []):
+        atomic_save(fp16, staging / folders.fp16_file(pp_rank, tp_rank))
     atomic_save(None, staging / folders.USER_CONTENT_FILE)
     partition = None
     if plan is not None:
         partition = {"assignment": dict(plan["assignment"]), "pp_size": pp, "method": plan.get("method", "manual")}
-    atomic_save({"config": {"pipeline_parallel_degree": pp, "tensor_parallel_degree": 1},
+    atomic_save({"config": {"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp},
                  "smp_version": "smp_compat (smp-compat checkpoint split)", "tag": tag, "pipeline_parallel_degree": pp,
-                 "tensor_parallel_degree": 1, "partition": partition},
+                 "tensor_parallel_degree": tp, "partition": partition},
                 staging / folders.CONFIG_FILE)  # fmt: skip
     folders.publish_folder(root, staging, name)
     return root / name
 
 
-def write_save_parts(parts: list[Mapping[str, Any]], base: str | os.PathLike[str]) -> list[Path]:
-    """``smp.save`` part files ``{base}_{pp}_0.pt`` (load them with ``smp.load(base)``)."""
+def _cells(grid: list[list[Any]], other: list[list[Any]] | None = None) -> list[tuple[tuple[int, int], Any, Any]]:
+    """((pp, tp), part, the other grid's part or None) for every cell of ``grid[pp][tp]``."""
+    return [((pp, tp), part, other[pp][tp] if other else None)
+            for pp, row in enumerate(grid) for tp, part in enumerate(row)]  # fmt: skip
+
+
+def write_save_parts(grid: list[list[Mapping[str, Any]]], base: str | os.PathLike[str]) -> list[Path]:
+    """``smp.save`` part files ``{base}_{pp}_{tp}.pt`` from ``grid[pp][tp]`` (load them with ``smp.load(base)``)."""
     paths = []
-    for rank, part in enumerate(parts):
-        path = Path(f"{base}_{rank}_0.pt")
-        atomic_save(part, path)
-        paths.append(path)
+    for (pp_rank, tp_rank), part, _ in _cells(grid):
+        paths.append(Path(f"{base}_{pp_rank}_{tp_rank}.pt"))
+        atomic_save(part, paths[-1])
     return paths

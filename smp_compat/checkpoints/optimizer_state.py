@@ -158,8 +158,9 @@ def optimizer_state_dict(
 def merge_optimizer_parts(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One plain torch optimizer dict from per-rank parts (the converter; no optimizer object at hand).
 
-    With parameter names, index i of the result is the i-th name in the first part's order, and the
-    groups and hyperparameters come from the first part; without names, torch indices are kept.
+    With parameter names, index i of the result is the i-th name in the first part's order (kept under
+    ``_smp_param_names``, which torch's loader ignores), and the groups and hyperparameters come from the
+    first part; without names, torch indices are kept.
     """
     parts = list(parts)
     if not parts:
@@ -182,7 +183,8 @@ def merge_optimizer_parts(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         groups[-1]["params"] = list(groups[-1]["params"]) + list(range(len(order) - len(extra), len(order)))
     for g in groups:
         g.pop("param_names", None)
-    return {"state": {i: named[n] for i, n in enumerate(order) if n in named}, "param_groups": groups}
+    states = {i: named[n] for i, n in enumerate(order) if n in named}
+    return {"state": states, "param_groups": groups, PARAM_NAMES_KEY: order}  # names: loads by name, splits again
 
 
 def _check_optimizer_dict(sd: Any) -> None:

@@ -50,8 +50,9 @@ def check_saved_config(saved: Any, where: str, resharding: bool = False) -> None
         changes = ", ".join(f"{k}: saved {values[k]!r}, now {current.get(k)!r}" for k in bad)
         raise CheckpointError(
             f"Checkpoint {where} cannot be resumed by this job: {changes}. A partial checkpoint's parts follow "
-            "the layout it was saved with. Resume with the same degrees, or merge it into one state dict with "
-            "`smp-compat checkpoint merge` and load that with model.load_state_dict()."
+            "the layout it was saved with. Resume with the same degrees, re-cut it for this job's degrees with "
+            "`smp-compat checkpoint split <checkpoint> --pp P --tp T -o <dir>`, or merge it into one state dict "
+            "with `smp-compat checkpoint merge` and load that with model.load_state_dict()."
         )
     differ = sorted(k for k in values if k in current and k not in _MUST_MATCH and k not in _MAY_DIFFER
                     and values[k] != current[k])  # fmt: skip
@@ -71,7 +72,8 @@ def _check_parts(folder: Path) -> bool:
         raise CheckpointError(
             f"Checkpoint {str(folder)!r} has model parts {sorted(found)} but this job (pipeline_parallel_degree="
             f"{topo.pp_size}, tensor_parallel_degree={topo.tp_size}) needs {sorted(expected)}. Resume with the "
-            "degrees it was saved with, or merge it with `smp-compat checkpoint merge`."
+            "degrees it was saved with, re-cut it with `smp-compat checkpoint split <checkpoint> --pp "
+            f"{topo.pp_size} --tp {topo.tp_size} -o <dir>`, or merge it with `smp-compat checkpoint merge`."
         )
     return True
 

@@ -205,7 +205,10 @@ def _key_owners(model: Any, keys: Iterable[str]) -> dict[str, int]:
     return owners
 
 
-def _load_info(model: Any) -> dict[str, Any]:
+def _load_info(model: Any, prefix: str = "") -> dict[str, Any]:
+    """The layout a partial part was saved under; ``tp_shards`` lets ``smp-compat checkpoint`` re-cut its shards."""
+    from smp_compat.nn.state import shard_layout
+
     engine = getattr(model, "pipeline_engine", None)
     partition = None
     if engine is not None:
@@ -215,6 +218,7 @@ def _load_info(model: Any) -> dict[str, Any]:
         "tensor_parallel_degree": state.topology.tp_size,
         "pipeline_parallel_degree": state.topology.pp_size,
         "partition_info": partition,
+        "tp_shards": {prefix + name: spec for name, spec in shard_layout(model.module).items()},
     }
 
 
@@ -297,7 +301,7 @@ def model_local_state_dict(model: Any, destination: Any = None, prefix: str = ""
     _copy_metadata(entries, local)
     out = _prefixed(local, destination, prefix)
     out[PARTIAL_KEY] = True
-    out[LOAD_INFO_KEY] = _load_info(model)
+    out[LOAD_INFO_KEY] = _load_info(model, prefix)
     return out
 
 

@@ -13,12 +13,29 @@ from torch import nn
 from smp_compat.nn import comm
 from smp_compat.nn.module import is_shard
 
-__all__ = ["gather_shards", "slice_for_rank", "shard_names"]
+__all__ = ["gather_shards", "slice_for_rank", "shard_layout", "shard_names"]
 
 
 def shard_names(module: nn.Module) -> dict[str, torch.Tensor]:
     """State-dict names of the shard parameters under ``module``."""
     return {name: p for name, p in module.named_parameters(remove_duplicate=False) if is_shard(p)}
+
+
+def shard_layout(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """Per shard entry: the dim it is cut along, its q|k|v-style blocks and its whole shape.
+
+    Saved in every partial model part (``_smp_load_info["tp_shards"]``) so that an offline tool can
+    merge or re-cut the parts at another tp degree without knowing the modules (tp_register'ed ones too).
+    """
+    n = comm.tp_world()
+    out = {}
+    for name, p in shard_names(module).items():
+        dim = p._smp_tp_dim
+        shape = list(p.shape)
+        if shape:
+            shape[dim] *= n
+        out[name] = {"dim": dim, "blocks": p._smp_tp_blocks, "shape": shape}
+    return out
 
 
 def _gather_one(local: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:

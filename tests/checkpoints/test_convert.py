@@ -212,7 +212,10 @@ def test_smp_classes_load_as_placeholders_only_when_trusted(tmp_path: Path, caps
 def test_layout_errors_are_explained(tmp_path: Path) -> None:
     torch.save(_smp_part(["a.weight"], 0), tmp_path / "tp_0_0.pt")
     torch.save(_smp_part(["a.weight"], 0), tmp_path / "tp_0_1.pt")
-    with pytest.raises(CheckpointError, match="tensor-parallel shards"):
+    with pytest.raises(CheckpointError, match=r"without the record of which entries are shards"):
+        convert.merge_model(convert.detect_layout(tmp_path / "tp"))  # SMP's tp parts: which dim is unknown
+    torch.save(_smp_part(["a.weight"], 0), tmp_path / "tp_1_0.pt")
+    with pytest.raises(CheckpointError, match=r"no part for \(pp, tp\) = \[\(1, 1\)\]"):
         convert.detect_layout(tmp_path / "tp")
     torch.save(_smp_part(["a.weight"], 0), tmp_path / "gap_1_0.pt")
     with pytest.raises(CheckpointError, match=r"ranks \[0\] are missing"):
