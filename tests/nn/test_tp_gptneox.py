@@ -129,7 +129,7 @@ def test_gptneox_swapped_at_tp1_matches_stock_hf() -> None:
     assert "past_key_values" in r["refused"]
 
 
-def test_gptneox_translate_round_trip_and_heads() -> None:
+def test_gptneox_translate_round_trip_and_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     from smp_compat.nn.huggingface import gptneox
 
     torch.manual_seed(0)
@@ -147,6 +147,23 @@ def test_gptneox_translate_round_trip_and_heads() -> None:
     assert with_buffers["gpt_neox.layers.0.attention.bias"].shape == (1, 1, tm.SEQ, tm.SEQ)
     again = gptneox.translate_hf_state_dict_to_smdistributed_gptneox(with_buffers, num_attention_heads=HEADS)
     assert again.keys() == ours.keys()
-    if not gptneox._heads_seen:  # nothing swapped in this process: the head count must be given
-        with pytest.raises(TypeError, match="num_attention_heads"):
-            gptneox.translate_state_dict_to_hf_gptneox(ours)
+    monkeypatch.setattr(gptneox, "_heads_seen", set())  # nothing swapped in this process: the count must be given
+    with pytest.raises(TypeError, match="num_attention_heads"):
+        gptneox.translate_state_dict_to_hf_gptneox(ours)
+
+
+def test_gptneox_full_checkpoint_translation_takes_heads_from_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_checkpoint(translate_if_full=True) and resuming from an HF file call the translators with the state
+    dict alone: the swapped model supplies the head count, even with two head counts seen in the process."""
+    from smp_compat.nn.huggingface import from_hf_translator, gptneox, to_hf_format
+
+    monkeypatch.setattr(gptneox, "_heads_seen", {HEADS, 2 * HEADS})
+    torch.manual_seed(0)
+    model, stock = _model(), _model()
+    model.gpt_neox = gptneox._build(model.gpt_neox, {})  # the swap at tp = 1, without smp.init
+    ours = model.state_dict()
+    stock.load_state_dict(to_hf_format(model, ours), strict=True)
+    translate = from_hf_translator(model, stock.state_dict())
+    assert translate is not None
+    back = translate(stock.state_dict())
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], v) for k, v in ours.items())
