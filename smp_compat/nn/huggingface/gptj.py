@@ -80,7 +80,8 @@ class DistributedGPTJModel(DistributedModule):
                 attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 use_cache: bool | None = None, output_attentions: bool | None = None,
-                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         refuse_unsupported("GPT-J", past_key_values, output_attentions=output_attentions,
@@ -98,7 +99,9 @@ class DistributedGPTJModel(DistributedModule):
         return BaseModelOutputWithPast(last_hidden_state=self.ln_f(h))
 
 
-def _copy_block(theirs: Mapping[str, torch.Tensor], ours: dict[str, nn.Parameter], names: list[tuple[str, str]]) -> None:
+def _copy_block(
+    theirs: Mapping[str, torch.Tensor], ours: dict[str, nn.Parameter], names: list[tuple[str, str]]
+) -> None:
     """Whole HF tensors into this rank's shards (or replicas) of one layer."""
     for hf_name, name in names:
         p = ours[name]
@@ -115,7 +118,9 @@ translate_hf_gptj_state_dict_to_smdistributed = translate_hf_gptj_state_dict_to_
 """The other two names AWS's GPT-J examples import for the same function."""
 
 
-def translate_state_dict_to_hf_gptj(state_dict: Mapping[str, Any], max_seq_len: int | None = None) -> OrderedDict[str, Any]:
+def translate_state_dict_to_hf_gptj(
+    state_dict: Mapping[str, Any], max_seq_len: int | None = None
+) -> OrderedDict[str, Any]:
     """The swapped model's full state dict -> stock HF GPT-J names. ``max_seq_len`` adds the causal-mask buffers
     (``attn.bias``, ``attn.masked_bias``) that Hugging Face's GPT-J kept before 4.27 (SMP 1.8 ran on 4.17)."""
     out = _translate(state_dict, "seq_layers.", "h.", lambda sd: {hf: sd[ours] for hf, ours in _NAMES})
