@@ -99,8 +99,10 @@ def _tp1() -> dict:
     import smp_compat as smp
 
     smp.init({})
+    flags = dict(query_key_layer_scaling=True, fused_softmax=True, fused_bias_gelu=True, flash_attention=True,
+                 fp32_residual_addition=True)  # what AWS's scripts pass: same numerics  # fmt: skip
     torch.manual_seed(0)
-    with smp.model_creation(tensor_parallelism=True):
+    with smp.model_creation(tensor_parallelism=True, **flags):
         hf = _model(bias=False)
     torch.manual_seed(0)
     plain = _model(bias=False)
@@ -118,14 +120,15 @@ def _tp1() -> dict:
     return {
         "logits": (out.logits - ref.logits).abs().max().item(), "loss": abs(out.loss.item() - ref.loss.item()),
         "layers": [type(c).__name__ for c in inner.seq_layers], "biases": (layer.attention.key_bias,
-        layer.attention.dense_bias), "refused": refused,
+        layer.attention.dense_bias), "refused": refused, "flash": layer.attention.math.flash and not
+        layer.attention.math.in_fp32,
     }  # fmt: skip
 
 
 def test_gptneox_swapped_at_tp1_matches_stock_hf() -> None:
     r = run_ranks(_tp1, 1, timeout=120)[0]
     assert r["logits"] < 1e-5 and r["loss"] < 1e-6
-    assert r["layers"] == ["RotaryTransformerLayer"] * LAYERS and r["biases"] == (None, None)
+    assert r["layers"] == ["RotaryTransformerLayer"] * LAYERS and r["biases"] == (None, None) and r["flash"]
     assert "past_key_values" in r["refused"]
 
 

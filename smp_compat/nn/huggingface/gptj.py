@@ -18,7 +18,7 @@ from torch import nn
 
 from smp_compat.nn.huggingface.gpt2 import _translate
 from smp_compat.nn.huggingface.rotary_blocks import (
-    RotaryEmbedding, additive_mask, build_layers, check_overrides, refuse_unsupported)  # fmt: skip
+    RotaryEmbedding, additive_mask, build_layers, check_overrides, layer_options, refuse_unsupported)  # fmt: skip
 from smp_compat.nn.module import KERNEL_FLAGS, DistributedModule, shard
 from smp_compat.nn.registry import register_builtin
 
@@ -61,7 +61,7 @@ class DistributedGPTJModel(DistributedModule):
         config = hf.config
         self.config, self.embed_dim, self.num_layers = config, config.n_embd, config.n_layer
         rotary = RotaryEmbedding(config.rotary_dim, 10000.0, interleaved=True)
-        layer = {**_layer_kwargs(config), **(overrides or {})}
+        layer = layer_options(_layer_kwargs(config), overrides or {})
         self.seq_layers = build_layers(config.n_layer, layer, rotary, parallel=True, shared_layernorm=True,
                                        dense_bias=False)  # fmt: skip
         self.wte, self.drop, self.ln_f = hf.wte, hf.drop, hf.ln_f

@@ -24,7 +24,7 @@ from torch import nn
 from smp_compat.nn.huggingface.gpt2 import _translate
 from smp_compat.nn.huggingface.gptj import _copy_block
 from smp_compat.nn.huggingface.rotary_blocks import (
-    RotaryEmbedding, additive_mask, build_layers, check_overrides, refuse_unsupported)  # fmt: skip
+    RotaryEmbedding, additive_mask, build_layers, check_overrides, layer_options, refuse_unsupported)  # fmt: skip
 from smp_compat.nn.module import KERNEL_FLAGS, DistributedModule
 from smp_compat.nn.registry import register_builtin
 
@@ -77,7 +77,7 @@ class DistributedGPTNeoXModel(DistributedModule):
         super().__init__()
         config = hf.config
         self.config, self.num_layers = config, config.num_hidden_layers
-        layer = {**_layer_kwargs(config), **(overrides or {})}
+        layer = layer_options(_layer_kwargs(config), overrides or {})
         _heads_seen.add(config.num_attention_heads)
         self.seq_layers = build_layers(config.num_hidden_layers, layer, _rotary(config),
                                        parallel=bool(config.use_parallel_residual), shared_layernorm=False,

@@ -25,7 +25,7 @@ from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.transformer import DistributedTransformerOutputLayer
 
 __all__ = ["RotaryEmbedding", "RotaryAttentionLayer", "MLPBranch", "RotaryTransformerLayer", "additive_mask",
-           "refuse_unsupported", "check_overrides"]  # fmt: skip
+           "refuse_unsupported", "check_overrides", "layer_options"]  # fmt: skip
 
 Inputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
@@ -187,3 +187,13 @@ def check_overrides(model: str, overrides: dict[str, Any]) -> None:
     bad = {k: v for k, v in overrides.items() if k in ignored and v != ignored[k]}
     if bad:
         raise SMPUnsupportedError(f"{model} tensor-parallel options {bad}")
+
+
+def layer_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The model's layer arguments with the script's ``tensor_parallelism(...)`` options on top. Asking for
+    ``flash_attention`` without ``attention_in_fp32`` runs scores through SDPA in the input dtype, as Hugging
+    Face's own flash path for these models does (the models' fp32 scores would otherwise keep it off)."""
+    merged = {**defaults, **overrides}
+    if overrides.get("flash_attention") and "attention_in_fp32" not in overrides:
+        merged["attention_in_fp32"] = False
+    return merged
