@@ -143,7 +143,7 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
          "raise SMPUnsupportedError.", "Leave those options False."),
         ("nn.FusedLayerNorm", _S, "torch.nn.LayerNorm (same numerics).", ""),
         ("nn.huggingface", _P, "gpt2 (with get_hf_gpt2_transformer_layer_hooks), gptj, gptneo, gptneox, bert and "
-         "roberta (swaps and translate functions). The swapped models refuse a filled KV cache (generation), "
+         "roberta (swaps and translate functions). The swapped models refuse a KV cache (generation), "
          "cross-attention and output_attentions/output_hidden_states (SMPUnsupportedError); gptneox's translate "
          "names follow SMP's pattern (SMP never documented them) and take num_attention_heads.",
          "Generate with stock HF: load the translated full state dict into the plain model.", True),

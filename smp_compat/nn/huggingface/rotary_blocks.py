@@ -172,12 +172,12 @@ def additive_mask(attention_mask: torch.Tensor | None, h: torch.Tensor) -> torch
 
 
 def refuse_unsupported(model: str, past_key_values: Any, **flags: Any) -> None:
-    """KV cache and per-layer outputs are not computed by the swapped stack: refuse rather than drop them."""
-    cached = past_key_values is not None and (
-        not hasattr(past_key_values, "get_seq_length") or past_key_values.get_seq_length() > 0)  # fmt: skip
+    """KV cache and per-layer outputs are not computed by the swapped stack: refuse rather than drop them. Even
+    an empty cache is refused: generation hands one in and would then feed only new tokens to a stack that
+    never filled it."""
     asked = sorted(k for k, v in flags.items() if v)
-    if cached or asked:
-        what = ", ".join((["past_key_values (KV cache)"] if cached else []) + asked)
+    if past_key_values is not None or asked:
+        what = ", ".join((["past_key_values (KV cache)"] if past_key_values is not None else []) + asked)
         raise SMPUnsupportedError(f"{what} in the tensor-parallel {model}")
 
 
