@@ -24,7 +24,7 @@ from smp_compat.nn.attention import DistributedAttentionLayer
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.transformer import DistributedTransformerOutputLayer
 
-__all__ = ["RotaryEmbedding", "RotaryAttentionLayer", "MLPBranch", "RotaryTransformerLayer", "additive_mask",
+__all__ = ["RotaryEmbedding", "RotaryAttentionLayer", "MLPBranch", "RotaryTransformerLayer", "enter", "additive_mask",
            "refuse_unsupported", "check_overrides", "layer_options"]  # fmt: skip
 
 Inputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -69,14 +69,27 @@ class RotaryEmbedding:
         return torch.cat((rot * cos + turned * sin, rest), dim=-1)
 
 
+def enter(x: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> Inputs:
+    """The layer input, its mask and its positions following the batch into the sharded region."""
+    n, s = x.shape[:2]
+    mask_all = comm.gather_mask(mask, n, s, s, x.dtype)
+    # every rank sends [n, s] positions, whether it got per-sample ones or HF's default [1, s]
+    positions_all = comm.gather_batch_nograd(positions.reshape(-1, s).expand(n, s).contiguous())
+    return comm.enter_region(x), mask_all, positions_all
+
+
 class RotaryAttentionLayer(DistributedAttentionLayer):
-    """Causal self-attention with rotary q/k; optionally without its own LayerNorm (GPT-J's shared one), without
-    the residual (a parallel-residual branch) and without the output projection's bias (GPT-J)."""
+    """Causal self-attention with rotary q/k; optionally without its own LayerNorm, without the residual (a
+    parallel-residual branch) and without the output projection's bias (GPT-J). ``entered``: the input was
+    already taken into the sharded region (GPT-J's layer does it once for both branches of its shared
+    LayerNorm), so ``forward`` gets ``enter(...)``'s triple."""
 
     def __init__(self, rotary: RotaryEmbedding, layernorm: bool = True, residual: bool = True,
-                 dense_bias: bool = True, **kwargs: Any) -> None:  # fmt: skip
+                 dense_bias: bool = True, entered: bool = False, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(pre_layernorm=True, post_layernorm=False, **kwargs)
-        self.rotary, self.residual = rotary, residual
+        if entered and (layernorm or residual):
+            raise ValueError("an attention branch fed inside the sharded region has no LayerNorm nor residual")
+        self.rotary, self.residual, self.entered = rotary, residual, entered
         if not layernorm:
             self.layernorm = None
         if not dense_bias:
@@ -84,12 +97,11 @@ class RotaryAttentionLayer(DistributedAttentionLayer):
 
     def forward(self, inputs: Inputs) -> torch.Tensor:  # type: ignore[override]
         hidden, mask, positions = inputs
-        x = hidden if self.layernorm is None else self.layernorm(hidden)
-        n, s = x.shape[:2]
-        x_all = comm.enter_region(x)
-        mask_all = comm.gather_mask(mask, n, s, s, x.dtype)
-        # every rank sends [n, s] positions, whether it got per-sample ones or HF's default [1, s]
-        positions_all = comm.gather_batch_nograd(positions.reshape(-1, s).expand(n, s).contiguous())
+        if self.entered:
+            x_all, mask_all, positions_all = inputs
+        else:
+            x_all, mask_all, positions_all = enter(
+                hidden if self.layernorm is None else self.layernorm(hidden), mask, positions)  # fmt: skip
         q = self._heads(x_all, self.query_weight, self.query_bias)
         k = self._heads(x_all, self.key_weight, self.key_bias)
         v = self._heads(x_all, self.value_weight, self.value_bias)
@@ -103,17 +115,19 @@ class RotaryAttentionLayer(DistributedAttentionLayer):
 
 class MLPBranch(DistributedTransformerOutputLayer):
     """The MLP (``dense1`` column-parallel, ``dense2`` row-parallel); optionally without its own LayerNorm and
-    without the residual, as a parallel-residual branch."""
+    without the residual, as a parallel-residual branch; ``entered`` as for ``RotaryAttentionLayer``."""
 
-    def __init__(self, layernorm: bool = True, residual: bool = True, **kwargs: Any) -> None:
+    def __init__(self, layernorm: bool = True, residual: bool = True, entered: bool = False, **kwargs: Any) -> None:
         super().__init__(pre_layernorm=True, post_layernorm=False, **kwargs)
-        self.residual = residual
+        if entered and (layernorm or residual):
+            raise ValueError("an MLP branch fed inside the sharded region has no LayerNorm nor residual")
+        self.residual, self.entered = residual, entered
         if not layernorm:
             self.layernorm = None
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         x = inp if self.layernorm is None else self.layernorm(inp)
-        h = self.act(F.linear(comm.enter_region(x), self.dense1_weight, self.dense1_bias))
+        h = self.act(F.linear(x if self.entered else comm.enter_region(x), self.dense1_weight, self.dense1_bias))
         out = self.dropout(comm.exit_region(F.linear(h, self.dense2_weight)) + self.dense2_bias)
         if not self.residual:
             return out
@@ -122,7 +136,8 @@ class MLPBranch(DistributedTransformerOutputLayer):
 
 class RotaryTransformerLayer(DistributedModule):
     """``seq_layers[i]``: ``attention`` and ``output``, summed in parallel with the input (``parallel``) or
-    applied one after the other; ``shared_layernorm`` gives the layer one LayerNorm feeding both branches."""
+    applied one after the other; ``shared_layernorm`` gives the layer one LayerNorm feeding both branches, whose
+    output enters the sharded region once for both (one all-gather per layer instead of two)."""
 
     def __init__(self, attention: dict[str, Any], output: dict[str, Any], rotary: RotaryEmbedding, parallel: bool,
                  shared_layernorm: bool, dense_bias: bool) -> None:  # fmt: skip
@@ -134,15 +149,18 @@ class RotaryTransformerLayer(DistributedModule):
         if shared_layernorm:
             self.layernorm = nn.LayerNorm(attention["hidden_size"], eps=attention["layernorm_epsilon"])
         own = not shared_layernorm
-        self.attention = RotaryAttentionLayer(rotary, own, not parallel, dense_bias, **attention)
-        self.output = MLPBranch(own, not parallel, **output)
+        self.attention = RotaryAttentionLayer(rotary, own, not parallel, dense_bias, shared_layernorm, **attention)
+        self.output = MLPBranch(own, not parallel, shared_layernorm, **output)
 
     def forward(self, inputs: Inputs) -> Inputs:
         hidden, mask, positions = inputs
         if not self.parallel:
             return self.output(self.attention(inputs)), mask, positions
-        x = hidden if self.layernorm is None else self.layernorm(hidden)
-        a, m = self.attention((x, mask, positions)), self.output(x)
+        if self.layernorm is None:
+            a, m = self.attention(inputs), self.output(hidden)
+        else:
+            entered = enter(self.layernorm(hidden), mask, positions)
+            a, m = self.attention(entered), self.output(entered[0])
         if self.output.fp32_residual_addition:
             return (hidden.float() + a.float() + m.float()).to(hidden.dtype), mask, positions
         return a + m + hidden, mask, positions
