@@ -41,11 +41,15 @@ def batches(steps: int = STEPS, global_batch: int = GLOBAL_BATCH) -> list[torch.
     return [torch.randint(0, VOCAB, (global_batch, SEQ), generator=g) for _ in range(steps)]
 
 
-def reference(build: Any, steps: int = STEPS, loss_fn: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch on the global batch (no smp.init: smp.nn modules are whole)."""
+def reference(
+    build: Any, steps: int = STEPS, loss_fn: Any = None, make_opt: Any = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch on the global batch (no smp.init: smp.nn modules are whole); ``make_opt(params)`` replaces
+    the default SGD."""
     torch.manual_seed(0)
     model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)  # Adam would amplify float noise in the key bias, whose true gradient is 0
+    # SGD by default: Adam would amplify float noise in the key bias, whose true gradient is 0
+    opt = make_opt(model.parameters()) if make_opt else torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     losses = []
     for ids in batches(steps):
         loss = (loss_fn or (lambda m, x: lm_loss(m(x), x)))(model, ids)

@@ -88,8 +88,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("StepOutput", _S, "", ""),
     ]),
     ("Model and optimizer", [
-        ("DistributedModel", _S, "Swaps modules marked for tensor parallelism in place (HF GPT-2, GPT-Neo, BERT, "
-         "RoBERTa and smp.tp_register'd classes; docs/porting.md, Tensor parallelism). With "
+        ("DistributedModel", _S, "Swaps modules marked for tensor parallelism in place (HF GPT-2, GPT-J, GPT-Neo, "
+         "GPT-NeoX, BERT, RoBERTa and smp.tp_register'd classes; docs/porting.md, Tensor parallelism). With "
          "sharded_data_parallel_degree > 1 it shards the model with FSDP2 when called, as SMP did.", ""),
         ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
          "with fp32 master weights and loss scaling, as SMP. Under sharded data parallelism, a wrapper that clips "
@@ -102,7 +102,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("set_partition", _S, "", ""),
     ]),
     ("Tensor parallelism, model creation, activation checkpointing", [
-        ("tensor_parallelism", _P, "Marks supported modules (built in: Hugging Face GPT-2, GPT-Neo, BERT, RoBERTa). " + _TP_PP,
+        ("tensor_parallelism", _P, "Marks supported modules (built in: Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, BERT, "
+         "RoBERTa). " + _TP_PP,
          _TP_PP_ACTION),
         ("set_tensor_parallelism", _P, _TP_PP, _TP_PP_ACTION),
         ("tp_register", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
@@ -141,8 +142,11 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("nn.FlashAttentionLayer", _P, "torch's scaled_dot_product_attention; triton_flash_attention and use_alibi "
          "raise SMPUnsupportedError.", "Leave those options False."),
         ("nn.FusedLayerNorm", _S, "torch.nn.LayerNorm (same numerics).", ""),
-        ("nn.huggingface", _P, "gpt2 (with get_hf_gpt2_transformer_layer_hooks), gptneo, bert and roberta (swaps and "
-         "translate functions); GPT-J and GPT-NeoX are not provided.", "Those models run with their plain modules (no tensor parallelism).", True),
+        ("nn.huggingface", _P, "gpt2 (with get_hf_gpt2_transformer_layer_hooks), gptj, gptneo, gptneox, bert and "
+         "roberta (swaps and translate functions). The swapped models refuse a KV cache (generation), "
+         "cross-attention and output_attentions/output_hidden_states (SMPUnsupportedError); gptneox's translate "
+         "names follow SMP's pattern (SMP never documented them) and take num_attention_heads.",
+         "Generate with stock HF: load the translated full state dict into the plain model.", True),
         ("amp", _S, "", ""),
         ("amp.GradScaler", _S, "torch's GradScaler; every pipeline stage skips or steps together.", ""),
         ("optimizers", _U, "SMP's apex-based fused optimizers are not provided.",

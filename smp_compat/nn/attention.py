@@ -154,7 +154,8 @@ class DistributedAttentionLayer(DistributedModule):
                 if b is not None:
                     b.copy_(shard(layer.bias.data, 0))
             self.dense_weight.copy_(shard(full[3].weight.data, 1))
-            self.dense_bias.copy_(full[3].bias.data)
+            if self.dense_bias is not None:  # None in GPT-J's attention (see huggingface/rotary_blocks.py)
+                self.dense_bias.copy_(full[3].bias.data)
 
     def _heads(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         n, s = x.shape[:2]

@@ -36,7 +36,7 @@ def swap_modules(root: nn.Module) -> nn.Module:
     _visit(root, "", counts)
     if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
-                    "Hugging Face GPT-2, GPT-Neo, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
+                    "Hugging Face GPT-2, GPT-Neo, GPT-J, GPT-NeoX, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
                     type(root).__name__)  # fmt: skip
     registry.requested = False  # consumed: one model per process, and tests that build several stay independent
     return root

@@ -68,14 +68,14 @@ def test_smp_nn_modules_equal_torch_at_tp1() -> None:
 def test_unsupported_hf_model_falls_back_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     import transformers
     smp.init({})
-    config = transformers.GPTJConfig(vocab_size=16, n_embd=8, n_layer=1, n_head=2, rotary_dim=2, n_positions=8)
+    config = transformers.BloomConfig(vocab_size=16, hidden_size=8, n_layer=1, n_head=2)  # not swapped by SMP v1 either
     with smp.tensor_parallelism():
-        gptj = transformers.GPTJModel(config)
+        bloom = transformers.BloomModel(config)
     with caplog.at_level(logging.WARNING, logger="smp_compat"):
-        model = smp.DistributedModel(gptj)
-    assert model.get_module() is gptj and not model.distributed_modules()
+        model = smp.DistributedModel(bloom)
+    assert model.get_module() is bloom and not model.distributed_modules()
     lines = [r.getMessage() for r in caplog.records if "tensor parallelism" in r.getMessage()]
-    assert len(lines) == 1 and "GPTJModel has no supported module" in lines[0]
+    assert len(lines) == 1 and "BloomModel has no supported module" in lines[0]
 
 
 def test_smp_nn_resolves_through_the_smdistributed_shim() -> None:

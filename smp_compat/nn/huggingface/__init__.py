@@ -5,15 +5,16 @@ Importing these never imports transformers; the swap registers itself only when 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
-from smp_compat.nn.huggingface import bert, gpt2, gptneo, roberta
+from smp_compat.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox, roberta
 
-__all__ = ["bert", "gpt2", "gptneo", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
+__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
 
 # swapped class -> (to HF, from HF, a key pattern only HF's layout has)
 _TRANSLATORS = (
@@ -21,6 +22,10 @@ _TRANSLATORS = (
      gpt2.translate_hf_state_dict_to_smdistributed_gpt2, re.compile(r"(^|\.)h\.\d+\.")),
     (gptneo.DistributedGPTNeoModel, gptneo.translate_state_dict_to_hf_gptneo,
      gptneo.translate_hf_state_dict_to_smdistributed_gptneo, re.compile(r"(^|\.)h\.\d+\.")),
+    (gptj.DistributedGPTJModel, gptj.translate_state_dict_to_hf_gptj,
+     gptj.translate_hf_gptj_state_dict_to_smdistributed_gptj, re.compile(r"(^|\.)h\.\d+\.")),
+    (gptneox.DistributedGPTNeoXModel, gptneox.translate_state_dict_to_hf_gptneox,
+     gptneox.translate_hf_state_dict_to_smdistributed_gptneox, re.compile(r"(^|\.)layers\.\d+\.")),
     (bert.DistributedBertEncoder, bert.translate_state_dict_to_hf_bert,
      bert.translate_hf_state_dict_to_smdistributed_bert, re.compile(r"(^|\.)encoder\.layer\.\d+\.")),
 )  # fmt: skip
@@ -30,11 +35,22 @@ def register_all() -> None:
     """Register the built-in swaps of the Hugging Face models the installed transformers has."""
     gpt2.register()
     gptneo.register()
+    gptj.register()
+    gptneox.register()
     bert.register()
 
 
 def _swapped(root: nn.Module) -> list[tuple[Any, ...]]:
-    return [t for t in _TRANSLATORS if any(isinstance(m, t[0]) for m in root.modules())]
+    found = []
+    for cls, to_hf, from_hf, hf_key in _TRANSLATORS:
+        module = next((m for m in root.modules() if isinstance(m, cls)), None)
+        if isinstance(module, gptneox.DistributedGPTNeoXModel):  # its fused q|k|v layout needs the head count
+            heads = module.config.num_attention_heads
+            to_hf = functools.partial(to_hf, num_attention_heads=heads)
+            from_hf = functools.partial(from_hf, num_attention_heads=heads)
+        if module is not None:
+            found.append((cls, to_hf, from_hf, hf_key))
+    return found
 
 
 def to_hf_format(root: nn.Module, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
