@@ -119,11 +119,6 @@ def _check_unsupported(params: Mapping[str, Any]) -> None:
             f"tensor_parallel_degree={tp!r} with shard_optimizer_state=True (optimizer-state sharding over the rdp "
             "group) is not implemented yet; set shard_optimizer_state to False."
         )
-    if _is_non_default(tp, 1) and _is_non_default(pp, 1):
-        raise SMPUnsupportedError(
-            f"tensor_parallel_degree={tp!r} with pipeline_parallel_degree={pp!r} (tensor parallelism combined with "
-            "pipeline parallelism) is not implemented yet; use one of them (tp x rdp or pp x dp)."
-        )
 
 
 def resolve_config(
