@@ -62,12 +62,14 @@ def _train(kind: str, prescaled: bool, mb: int, pipeline: str, extra: dict | Non
     import smp_compat as smp
 
     torch.set_num_threads(1)
+    extra = extra or {}
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": mb,
               "pipeline": pipeline, "prescaled_batch": prescaled, "auto_partition": False, "default_partition": 0,
-              **(extra or {})})  # fmt: skip
+              **extra})  # fmt: skip
     module, loss_fn = _build(smp, kind)
     model = smp.DistributedModel(module)
-    _place(smp, model, kind)
+    if not extra.get("auto_partition"):
+        _place(smp, model, kind)
     opt = smp.DistributedOptimizer(_adamw(model.parameters()))
 
     @smp.step
@@ -82,8 +84,9 @@ def _train(kind: str, prescaled: bool, mb: int, pipeline: str, extra: dict | Non
         losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
         opt.step()
     local = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    plan = model.pipeline_engine.plan
     return {"losses": losses, "full": {k: v.clone() for k, v in model.state_dict().items()}, "local": local,
-            "coords": (smp.pp_rank(), smp.tp_rank())}  # fmt: skip
+            "coords": (smp.pp_rank(), smp.tp_rank()), "stages": {plan.rank_of(n) for n, _ in model.module.named_modules()} - {None}}  # fmt: skip
 
 
 def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -106,12 +109,15 @@ def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, to_smp(state) if kind == "gpt2" else state
 
 
-def _check(results: list[dict], kind: str) -> None:
+def _check(results: list[dict], kind: str, auto: bool = False) -> None:
     ref_losses, ref_state = _reference(kind)
     assert sorted(r["coords"] for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(dim=0)
     torch.testing.assert_close(mean_losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for r in results:
+        if r["coords"][0] == 1 and auto:
+            assert r["full"] == {} and r["stages"] == {0, 1}
+            continue
         if r["coords"][0] == 1:  # gather_to_rank0 (the default): the full dict is on pp_rank 0 only
             assert r["full"] == {}
             stage1 = ("transformer.seq_layers.1.", "transformer.ln_f.", "proj.")
@@ -120,6 +126,10 @@ def _check(results: list[dict], kind: str) -> None:
         assert r["full"].keys() == ref_state.keys() - _NON_PERSISTENT
         for name, value in r["full"].items():
             torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        if kind == "gpt2":  # gathered over tp, then pp: a checkpoint stock Hugging Face loads (strict)
+            from smp_compat.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+
+            transformers.GPT2LMHeadModel(_gpt2_config()).load_state_dict(translate_state_dict_to_hf_gpt2(r["full"]))
 
 
 @pytest.mark.parametrize("prescaled", [False, True])
@@ -136,3 +146,9 @@ def test_interleaved_many_microbatches_in_flight() -> None:
     """Four microbatches in flight: arrival order differs between tp peers; only lockstep keeps collectives paired."""
     results = run_ranks(_train, 4, "smp_nn", False, 4, "interleaved", {"active_microbatches": 4}, timeout=240)
     _check(results, "smp_nn")
+
+
+def test_gpt2_auto_partition_pp2_tp2() -> None:
+    """The tp peers of global rank 0 trace the first step with it (their collectives must pair up)."""
+    results = run_ranks(_train, 4, "gpt2", False, 2, "interleaved", {"auto_partition": True}, timeout=240)
+    _check(results, "gpt2", auto=True)
