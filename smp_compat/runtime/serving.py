@@ -68,8 +68,8 @@ class ServingSide:
         forward = priority_class == SERVE_FORWARD
         task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (priority_class, next(self._arrivals)), mb)
         task.phase = "forward" if forward else "backward"
-        # the n-th request from a pipeline stage: the same task in every tp pipeline (global ranks differ)
-        task.key = ("serve", self.pp_members.index(message.src), next(self._served_from[message.src]))
+        if self.scheduler.lockstep is not None:  # the n-th request from a stage names it in every tp pipeline
+            task.key = ("serve", self.pp_members.index(message.src), next(self._served_from[message.src]))
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
 
