@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from smp_compat.globalstate import state
+from smp_compat.runtime.tasks import Fatal
 from smp_compat.runtime.transport import Message, Transport
 
 if TYPE_CHECKING:
@@ -70,6 +71,9 @@ class Lockstep:
                 for peer in self.peers:
                     self.transport.send(peer, DECISION, {"d": (task.key, task.shared)})
             return task
+        root = scheduler.root
+        if root is not None and root.runnable and isinstance(root.wakeup, Fatal):
+            return root  # a task here failed: raise it now (the failure watch stops the peers), not at the leader's pace
         if not self.decisions:
             return None
         key, payload = self.decisions[0]

@@ -158,3 +158,42 @@ def test_pp2_tp2_rdp2_on_eight_ranks() -> None:
     """Shards reduced over rdp per stage, the rest over dp per stage (8 ranks: kept to one small case)."""
     results = run_ranks(_train, 8, "smp_nn", False, 2, "interleaved", timeout=300)
     _check(results, "smp_nn")
+
+
+def _fail_on_one_tp_rank() -> None:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 4,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    torch.manual_seed(0)
+    model = smp.DistributedModel(tm.TinySmpLM(smp.nn))
+    _place(smp, model, "smp_nn")
+    steps = [0]
+
+    def explode(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if steps[0] == 1 and smp.tp_rank() == 1:
+            raise ValueError("boom on tp rank 1")
+
+    model.get_module().transformer.seq_layers[1].register_forward_hook(explode)
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = _smp_nn_loss(model, ids)
+        model.backward(loss)
+        return loss
+
+    for steps[0], ids in enumerate(tm.batches(STEPS)):
+        train_step(tm.my_samples(smp, ids))
+
+
+def test_failure_on_one_tp_peer_stops_every_rank_quickly() -> None:
+    """An error on a follower only (its peers never see it) ends the job with that error, not a lockstep hang."""
+    import time
+
+    from smp_compat.testing import RankFailure
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="boom on tp rank 1"):
+        run_ranks(_fail_on_one_tp_rank, 4, timeout=120)
+    assert time.monotonic() - start < 60
