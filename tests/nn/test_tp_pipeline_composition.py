@@ -123,3 +123,41 @@ def test_partial_checkpoint_resume_continues_as_uninterrupted(tmp_path: Any) -> 
         assert a["local"].keys() == b["local"].keys() and a["local"]
         for name, value in a["local"].items():
             assert torch.equal(value, b["local"][name]), name
+
+
+def _full_gpt2_checkpoint(directory: str) -> None:
+    import transformers
+
+    import smp_compat as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    config = transformers.GPT2Config(vocab_size=tm.VOCAB, n_positions=tm.SEQ, n_embd=tm.HIDDEN, n_layer=2,
+                                     n_head=tm.HEADS)  # fmt: skip
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        model = smp.DistributedModel(transformers.GPT2LMHeadModel(config))
+    smp.set_partition(model.get_module().transformer.seq_layers[1], 1)
+    smp.set_partition(model.get_module().transformer.ln_f, 1)
+
+    @smp.step
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    with torch.no_grad():
+        forward(tm.my_samples(smp, tm.batches(1)[0]))  # partitions
+    smp.save_checkpoint(directory, "hf", partial=False, model=model)  # translate_if_full: HF's own names
+
+
+def test_full_checkpoint_of_gpt2_at_pp2_tp2_loads_into_stock_hf(tmp_path: Any) -> None:
+    import transformers
+
+    run_ranks(_full_gpt2_checkpoint, 4, str(tmp_path), timeout=180)
+    config = transformers.GPT2Config(vocab_size=tm.VOCAB, n_positions=tm.SEQ, n_embd=tm.HIDDEN, n_layer=2,
+                                     n_head=tm.HEADS)  # fmt: skip
+    torch.manual_seed(0)
+    expected = transformers.GPT2LMHeadModel(config).state_dict()  # the swap keeps HF's weights
+    saved = torch.load(tmp_path / "hf", weights_only=True)
+    transformers.GPT2LMHeadModel(config).load_state_dict(saved, strict=True)
+    for name, value in saved.items():
+        torch.testing.assert_close(value, expected[name], msg=lambda m: f"{name}: {m}")
