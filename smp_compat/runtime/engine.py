@@ -40,7 +40,7 @@ from smp_compat.runtime.remote import (
     context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
-from smp_compat.runtime.lockstep import DECISION, create_lockstep, share_ready_replies, shared_ready_replies
+from smp_compat.runtime.lockstep import DECISION, create_lockstep, lockstep_replies
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.serving import ServingSide
@@ -289,13 +289,9 @@ class PipelineEngine(ServingSide):
         """Local segment, then one more segment per batch of leaf gradients the owners return."""
         driver = Driver(ctx.task)
         self._segment(driver, roots, grads)
-        if self.lockstep is not None:
-            share_ready_replies(ctx.task, driver, self.rank)
+        ready_replies = _arrived if self.lockstep is None else lockstep_replies(ctx.task, driver, self.rank)
         while driver.outstanding:
-            if self.lockstep is None:
-                ready = [r for r in driver.outstanding if r in driver.replies]
-            else:
-                ready = shared_ready_replies(ctx.task, self.rank)
+            ready = ready_replies(driver)
             if not ready:
                 driver.waiting = True
                 self.scheduler.block(ctx.task, f"gradients from {self._pending_owners(driver)}")
@@ -314,7 +310,7 @@ class PipelineEngine(ServingSide):
                         roots.append(t)
                         grads.append(g)
             self._segment(driver, roots, grads)
-        ctx.task.share = ctx.task.accepts = None
+        ctx.task.share = ctx.task.accepts = None  # lockstep: a plain task again
 
     def _segment(self, driver: Driver, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         """One local backward; the graph is kept because a later segment may pass through the same nodes."""
@@ -455,6 +451,11 @@ def _anchor() -> torch.Tensor:
     if not _ANCHOR:
         _ANCHOR.append(torch.zeros((), requires_grad=True))
     return _ANCHOR[0]
+
+
+def _arrived(driver: Driver) -> list[tuple[int, int]]:
+    """The gradient requests whose replies are here (all of them are consumed by the next segment)."""
+    return [r for r in driver.outstanding if r in driver.replies]
 
 
 def _detach(value: Any) -> Any:

@@ -19,6 +19,7 @@ follower's pipeline receives the same messages as the leader's, from peers that 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from smp_compat.runtime.remote import Driver
     from smp_compat.runtime.tasks import Scheduler, Task
 
-__all__ = ["Lockstep", "create_lockstep", "create_lockstep_groups", "share_ready_replies", "shared_ready_replies"]
+__all__ = ["Lockstep", "create_lockstep", "create_lockstep_groups", "lockstep_replies"]
 
 DECISION = "lockstep"
 
@@ -122,14 +123,18 @@ def create_lockstep(rank: int, scheduler: Scheduler) -> Lockstep | None:
     return lockstep
 
 
-def share_ready_replies(task: Task, driver: Driver, rank: int) -> None:
+def lockstep_replies(task: Task, driver: Driver, rank: int) -> Callable[[Driver], list[tuple[int, int]]]:
     """A backward driver consumes the gradient replies its tp leader saw when it resumed the driver, not the
-    ones that happened to arrive here: each batch is one local backward segment, with tp collectives."""
+    ones that happened to arrive here: each batch is one local backward segment, with tp collectives.
+
+    Returns what the driver calls for the requests to consume on each resume (none: block until the
+    leader says which). The leader shares, and a follower accepts, through the task.
+    """
     task.share = lambda: sorted(seq for r, seq in driver.outstanding if (r, seq) in driver.replies)
     task.accepts = lambda seqs: all((rank, seq) in driver.replies for seq in seqs)
 
+    def ready(_: Driver) -> list[tuple[int, int]]:
+        seqs, task.shared = task.shared or (), None
+        return [(rank, seq) for seq in seqs]
 
-def shared_ready_replies(task: Task, rank: int) -> list[tuple[int, int]]:
-    """The requests whose replies this resume consumes (none: block until the leader says which)."""
-    seqs, task.shared = task.shared or (), None
-    return [(rank, seq) for seq in seqs]
+    return ready
