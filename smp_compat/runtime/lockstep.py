@@ -22,7 +22,6 @@ import collections
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from smp_compat.globalstate import state
@@ -53,12 +52,10 @@ def create_lockstep_groups(tp_groups: list[list[int]]) -> dict[tuple[int, int], 
 class Lockstep:
     """This rank's side of its tp group's shared schedule: the leader publishes decisions, followers replay them."""
 
-    def __init__(self, rank: int, members: list[int], groups: dict[tuple[int, int], Any], device: torch.device,
-                 deliver: Any) -> None:  # fmt: skip
-        self.leader = rank == members[0]
-        peers = [m for m in members if m != rank] if self.leader else [members[0]]
-        self.transport = Transport(rank, peers, groups, device, deliver)
-        self.peers = peers
+    def __init__(self, leader: bool, peers: list[int], transport: Any) -> None:
+        self.leader = leader
+        self.peers = peers  # the leader's followers; a follower's leader
+        self.transport = transport
         self.decisions: collections.deque[tuple[tuple, Any]] = collections.deque()
         self.published = 0
 
@@ -118,7 +115,10 @@ def create_lockstep(rank: int, scheduler: Scheduler) -> Lockstep | None:
     if topo.tp_size == 1:
         return None
     groups = create_lockstep_groups(topo.all_groups("tp"))
-    lockstep = Lockstep(rank, topo.group("tp", rank), groups, state.device, scheduler.inbox.put)
+    members = topo.group("tp", rank)
+    leader = rank == members[0]
+    peers = [m for m in members if m != rank] if leader else [members[0]]
+    lockstep = Lockstep(leader, peers, Transport(rank, peers, groups, state.device, scheduler.inbox.put))
     scheduler.lockstep = lockstep
     return lockstep
 
