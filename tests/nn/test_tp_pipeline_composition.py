@@ -161,3 +161,61 @@ def test_full_checkpoint_of_gpt2_at_pp2_tp2_loads_into_stock_hf(tmp_path: Any) -
     transformers.GPT2LMHeadModel(config).load_state_dict(saved, strict=True)
     for name, value in saved.items():
         torch.testing.assert_close(value, expected[name], msg=lambda m: f"{name}: {m}")
+
+
+def _contexts_survive_the_swap() -> dict:
+    import smp_compat as smp
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(tm.HIDDEN, 2 * tm.HIDDEN), torch.nn.Linear(2 * tm.HIDDEN, tm.HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class DistBlock(smp.nn.DistributedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.output = smp.nn.DistributedTransformerOutputLayer(tm.HIDDEN, 2 * tm.HIDDEN, 0.0, "relu",
+                                                                   pre_layernorm=True, post_layernorm=False)  # fmt: skip
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.output(x)
+
+    smp.tp_register_with_module(Block, DistBlock)
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(tm.VOCAB, tm.HIDDEN)
+            with smp.tensor_parallelism():
+                self.first = Block()
+                with smp.partition(1):
+                    self.second = Block()
+            self.head = torch.nn.Linear(tm.HIDDEN, tm.VOCAB)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.second(self.first(self.embedding(ids))))
+
+    model = smp.DistributedModel(Net())
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = tm.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    train_step(tm.my_samples(smp, tm.batches(1)[0]))
+    plan = model.pipeline_engine.plan
+    return {"types": (type(model.get_module().first).__name__, type(model.get_module().second).__name__),
+            "stages": {n: plan.rank_of(n) for n in ("first.output", "second.output", "second.output.layernorm")}}
+
+
+def test_smp_partition_of_a_swapped_module_survives_the_swap() -> None:
+    """A block created under smp.partition(1) and swapped for its distributed version stays on stage 1."""
+    for r in run_ranks(_contexts_survive_the_swap, 4, timeout=120):
+        assert r["types"] == ("DistBlock", "DistBlock")
+        assert r["stages"] == {"first.output": 0, "second.output": 1, "second.output.layernorm": 1}
