@@ -96,7 +96,7 @@ class Lockstep:
         """For a timeout message: what a follower is waiting to replay."""
         if self.leader or not self.decisions:
             return ""
-        return f"  (lockstep: next task to replay from the tp leader: {self.decisions[0][0]})"
+        return f"\n  (lockstep: next task to replay from the tp leader: {self.decisions[0][0]})"
 
     def close(self) -> None:
         self.transport.close()
