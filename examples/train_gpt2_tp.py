@@ -4,6 +4,10 @@ It imports ``smdistributed.modelparallel.torch`` and runs unchanged under ``smp-
 ``python`` it falls back to ``import smp_compat as smp``. tp = 2 on 2 CPU processes, a few seconds:
 
     smp-compat run --config examples/configs/tp2.json examples/train_gpt2_tp.py
+
+and pipeline x tensor parallelism (pp = 2 x tp = 2, auto partition) on 4:
+
+    smp-compat run --config examples/configs/pp2_tp2.json examples/train_gpt2_tp.py
 """
 
 from __future__ import annotations
@@ -82,12 +86,14 @@ def main() -> None:
         loss = sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / smp.dp_size()
         losses.append(loss)
         if smp.rank() == 0:
-            print(f"step {step}: loss {loss:.6f} ({len(transformer_layers)} layers, tp {smp.tp_size()})", flush=True)
+            print(f"step {step}: loss {loss:.6f} ({len(transformer_layers)} layers, pp {smp.pp_size()}, "
+                  f"tp {smp.tp_size()})", flush=True)  # fmt: skip
 
-    full = model.state_dict()  # collective over the tp group: whole tensors
+    full = model.state_dict()  # collective over the tp group (then the pipeline stages): whole tensors on pp_rank 0
     if args.out and smp.rank() == 0:
         hf = smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2(full)
-        torch.save({"losses": losses, "hf_state_dict": hf, "smp_import": SMP_IMPORT, "tp_size": smp.tp_size()}, args.out)
+        torch.save({"losses": losses, "hf_state_dict": hf, "smp_import": SMP_IMPORT, "tp_size": smp.tp_size(),
+                    "pp_size": smp.pp_size()}, args.out)  # fmt: skip
     smp.barrier()
 
 

@@ -70,8 +70,8 @@ _SAFE_LOAD = (
 )
 _Row = tuple  # (name, status, note, action[, group])
 
-_TP_PP = "Tensor parallelism at pp = 1 only (tp x rdp); tp > 1 with pp > 1 raises SMPUnsupportedError."
-_TP_PP_ACTION = "Use tensor_parallel_degree with pipeline_parallel_degree 1, or pipeline parallelism without tp."
+_TP_PP = ("Composes with pipeline parallelism (pp x tp x rdp): the tp peers of a stage run their pipelines in "
+          "lockstep (docs/design.md).")
 
 _API_ROWS: list[tuple[str, list[_Row]]] = [
     ("Initialization and state", [
@@ -102,12 +102,11 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("set_partition", _S, "", ""),
     ]),
     ("Tensor parallelism, model creation, activation checkpointing", [
-        ("tensor_parallelism", _P, "Marks supported modules (built in: Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, BERT, "
-         "RoBERTa). " + _TP_PP,
-         _TP_PP_ACTION),
-        ("set_tensor_parallelism", _P, _TP_PP, _TP_PP_ACTION),
-        ("tp_register", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
-        ("tp_register_with_module", _P, "init/forward/return hooks as in SMP. " + _TP_PP, _TP_PP_ACTION),
+        ("tensor_parallelism", _S, "Marks supported modules (built in: Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, BERT, RoBERTa). "
+         + _TP_PP, ""),
+        ("set_tensor_parallelism", _S, _TP_PP, ""),
+        ("tp_register", _S, "init/forward/return hooks as in SMP. " + _TP_PP, ""),
+        ("tp_register_with_module", _S, "init/forward/return hooks as in SMP. " + _TP_PP, ""),
         ("delay_param_initialization", _S, "Parameters are created on the meta device (buffers stay real); each "
          "rank allocates its own after partitioning and replays reset_parameters() / _reset_parameters() / a "
          "transformers model's _init_weights. Other writes made before partitioning are not replayed (warning).",

@@ -113,12 +113,6 @@ def _check_unsupported(params: Mapping[str, Any]) -> None:
                 f"{key}={params[key]!r} asks for {feature}, which smp_compat does not implement yet; set "
                 f'"{key}": {default!r} (or remove the key) to run without it.'
             )
-    tp, pp = params.get("tensor_parallel_degree", 1), params.get("pipeline_parallel_degree", params.get("partitions", 1))
-    if _is_non_default(tp, 1) and _is_non_default(pp, 1):
-        raise SMPUnsupportedError(
-            f"tensor_parallel_degree={tp!r} with pipeline_parallel_degree={pp!r} (tensor parallelism combined with "
-            "pipeline parallelism) is not implemented yet; use one of them (tp x rdp or pp x dp)."
-        )
 
 
 def resolve_config(

@@ -16,6 +16,7 @@ from torch import nn
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn import registry
 from smp_compat.nn.registry import Registration, init_args_of, lookup, mark_of
+from smp_compat.partitioning.manual import carry_partition
 
 __all__ = ["swap_modules", "distributed_modules"]
 
@@ -66,6 +67,7 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
             log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
             return None
         new.train(module.training)
+        carry_partition(module, new, _layer_pairs(module, new))
         return new
     shared = [n for n, p in module.named_parameters() if counts[id(p)] > _own_uses(module, p)]
     if shared:
@@ -78,7 +80,19 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
         log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
         return None
     new.train(module.training)
+    carry_partition(module, new, _layer_pairs(module, new))
     return new
+
+
+def _layer_pairs(old: nn.Module, new: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """The i-th block of ``old``'s block list (Hugging Face's ``h`` / ``layer``) and the new ``seq_layers[i]``."""
+    layers = getattr(new, "seq_layers", None)
+    if not isinstance(layers, nn.Sequential):
+        return []
+    for child in old.children():
+        if isinstance(child, nn.ModuleList | nn.Sequential) and len(child) == len(layers):
+            return list(zip(child, layers))
+    return []
 
 
 def _build_generic(module: nn.Module, reg: Registration, overrides: dict[str, Any]) -> nn.Module:

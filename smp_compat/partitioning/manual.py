@@ -16,7 +16,7 @@ from smp_compat.errors import PartitionError
 from smp_compat.partitioning.plan import PartitionPlan, check_shared_together, state_modules
 from smp_compat.globalstate import state
 
-__all__ = ["clear_records", "manual_plan", "partition", "set_partition"]
+__all__ = ["carry_partition", "clear_records", "manual_plan", "partition", "set_partition"]
 
 # Where each module was created (innermost smp.partition context) and where set_partition put it.
 _created: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
@@ -141,6 +141,23 @@ def clear_records() -> None:
     """Forget every smp.partition and set_partition record (tests, and scripts that re-init)."""
     _created.clear()
     _explicit.clear()
+
+
+def carry_partition(old: nn.Module, new: nn.Module, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """A module swapped for tensor parallelism keeps its smp.partition / set_partition stage.
+
+    The replacement's new modules get ``old``'s stage (modules it took over keep their own); then each
+    ``(old block, new layer)`` pair carries the block's own stage to the layer's subtree, so blocks created
+    in different ``smp.partition`` contexts stay on their stages after the swap.
+    """
+    for source, target, override in [(old, new, False), *((a, b, True) for a, b in pairs)]:
+        table = _explicit if source in _explicit else _created
+        rank = table.get(source)
+        if rank is None:
+            continue
+        for module in target.modules():
+            if override or _recorded(module) is None:
+                table[module] = rank
 
 
 def _recorded(module: nn.Module) -> int | None:

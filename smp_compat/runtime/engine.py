@@ -8,9 +8,11 @@ the owner side of a call and ``dispatch.py`` for how a module call finds its own
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from smp_compat.runtime.remote import (
     context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
+from smp_compat.runtime.lockstep import DECISION, create_lockstep, lockstep_replies
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.serving import ServingSide
@@ -78,9 +81,11 @@ class PipelineEngine(ServingSide):
         groups = create_channel_groups(topo.all_groups("pp"))
         peers = [r for r in self.pp_members if r != self.rank]
         self.transport = Transport(self.rank, peers, groups, state.device, self.scheduler.inbox.put)
+        self.lockstep = create_lockstep(self.rank, self.scheduler)  # None unless tp > 1
         self.device = state.device
         self._seq = itertools.count()
         self._arrivals = itertools.count()
+        self._served_from: collections.defaultdict[int, Iterator[int]] = collections.defaultdict(itertools.count)
         self._waiting: dict[tuple[int, int], Task] = {}
         self._requests: dict[tuple[int, int], Driver] = {}
         self._request_owner: dict[tuple[int, int], int] = {}
@@ -284,8 +289,9 @@ class PipelineEngine(ServingSide):
         """Local segment, then one more segment per batch of leaf gradients the owners return."""
         driver = Driver(ctx.task)
         self._segment(driver, roots, grads)
+        ready_replies = _arrived if self.lockstep is None else lockstep_replies(ctx.task, driver, self.rank)
         while driver.outstanding:
-            ready = [r for r in driver.outstanding if r in driver.replies]
+            ready = ready_replies(driver)
             if not ready:
                 driver.waiting = True
                 self.scheduler.block(ctx.task, f"gradients from {self._pending_owners(driver)}")
@@ -304,6 +310,7 @@ class PipelineEngine(ServingSide):
                         roots.append(t)
                         grads.append(g)
             self._segment(driver, roots, grads)
+        ctx.task.share = ctx.task.accepts = None  # lockstep: a plain task again
 
     def _segment(self, driver: Driver, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         """One local backward; the graph is kept because a later segment may pass through the same nodes."""
@@ -329,13 +336,13 @@ class PipelineEngine(ServingSide):
                 return record
         raise RemoteError(f"rank {self.rank} got gradients for an unknown call {call_id}")
 
-    def _end_microbatch(self, mb: int) -> None:
+    def _end_microbatch(self, mb: int, learn: bool = True) -> None:
         """Learn which call sites only pass results on, and let owners drop this microbatch's values."""
         calls = self._mb_calls.pop(mb, None)
         if calls is None:
             return
         for record in calls.records.values():
-            if record.passed_on and not record.triggered:
+            if learn and record.passed_on and not record.triggered:
                 self._lazy_sites.add(record.site)
         for owner in sorted({r.owner for r in calls.records.values()}):
             self._releases.setdefault(owner, []).append(mb)  # rides on the next message to that owner
@@ -354,7 +361,7 @@ class PipelineEngine(ServingSide):
         kind, meta = message.kind, message.meta
         for mb in meta.get("release", ()):  # the sender's earlier microbatches are over
             self._hosted.pop((message.src, mb), None)
-            self._end_microbatch(mb)
+            self._end_microbatch(mb, learn=self.lockstep is None)  # arrival order must not steer lockstep peers
         if kind in ("fwd_ok", "fwd_err", "got"):
             self.scheduler.wake(self._waiting.pop(meta.get("call", meta.get("req"))), message)
         elif kind == "fwd":
@@ -369,6 +376,8 @@ class PipelineEngine(ServingSide):
             driver.replies[meta["req"]] = message
             if driver.waiting:
                 self.scheduler.wake(driver.task)
+        elif kind == DECISION:
+            self.lockstep.receive(message)
         elif kind == "end_step":
             self._end_step = message
             if self.scheduler.root is not None:
@@ -424,6 +433,8 @@ class PipelineEngine(ServingSide):
         if not self._closed:
             self._closed = True
             self.transport.close()
+            if self.lockstep is not None:
+                self.lockstep.close()
             self.scheduler.close()
 
     @property
@@ -440,6 +451,11 @@ def _anchor() -> torch.Tensor:
     if not _ANCHOR:
         _ANCHOR.append(torch.zeros((), requires_grad=True))
     return _ANCHOR[0]
+
+
+def _arrived(driver: Driver) -> list[tuple[int, int]]:
+    """The gradient requests whose replies are here (all of them are consumed by the next segment)."""
+    return [r for r in driver.outstanding if r in driver.replies]
 
 
 def _detach(value: Any) -> Any:

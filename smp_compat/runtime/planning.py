@@ -23,32 +23,42 @@ log = logging.getLogger("smp_compat")
 
 
 def decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PartitionPlan:
-    """Global rank 0 traces (auto) or reads the manual assignment, then every rank gets the same plan."""
+    """Global rank 0 traces (auto) or reads the manual assignment, then every rank gets the same plan.
+
+    Under tensor parallelism rank 0's tp peers trace with it (their results are dropped): the traced
+    forward runs the distributed layers' collectives, which need every member of the tp group.
+    """
     cfg = state.cfg
     plan_dict = None
-    if state.rank == 0:
-        root = model.module
+    root = model.module
+    tracing = cfg.auto_partition and not is_delayed(root)
+    if state.rank == 0 or (tracing and state.rank in state.topology.group("tp", 0)):
         if cfg.auto_partition and is_delayed(root):
             log.info("parameters are not materialized yet (delayed initialization): partitioning without a trace")
             plan = auto_plan(root, TraceResult(), cfg.pipeline_parallel_degree, cfg.memory_weight)
         elif cfg.auto_partition:
-            if not microbatches:
-                raise StepUsageError("automatic partitioning needs the step inputs on rank 0")
-            args, kwargs = microbatches[0]
-            with tracing_call(len(microbatches)) as call:
-                trace = trace_modules(
-                    root,
-                    lambda: step_fn.run_microbatch(0, args, kwargs, call),
-                    measure_time=model.trace_execution_times,
-                    timing_runs=TIMING_RUNS,
-                )
-            plan = auto_plan(root, trace, cfg.pipeline_parallel_degree, cfg.memory_weight)
+            plan = auto_plan(root, _trace(model, step_fn, microbatches), cfg.pipeline_parallel_degree,
+                             cfg.memory_weight)  # fmt: skip
         else:
             plan = manual_plan(root, cfg.pipeline_parallel_degree, cfg.default_partition)
         validate_plan(root, plan)
-        plan_dict = plan.to_dict()
+        plan_dict = plan.to_dict() if state.rank == 0 else None
     plan_dict = broadcast_object(plan_dict, src=0)
     return PartitionPlan.from_dict(plan_dict)
+
+
+def _trace(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> TraceResult:
+    """Microbatch 0 of the first step, traced (module order, output sizes, optionally times)."""
+    if not microbatches:
+        raise StepUsageError("automatic partitioning needs the step inputs on rank 0")
+    args, kwargs = microbatches[0]
+    with tracing_call(len(microbatches)) as call:
+        return trace_modules(
+            model.module,
+            lambda: step_fn.run_microbatch(0, args, kwargs, call),
+            measure_time=model.trace_execution_times,
+            timing_runs=TIMING_RUNS,
+        )
 
 
 def render_plan(plan: PartitionPlan, root: nn.Module) -> str:

@@ -7,6 +7,7 @@ an error is sent back to the caller with this rank's traceback, never raised her
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import traceback
 from collections.abc import Callable, Iterator
@@ -36,6 +37,8 @@ class ServingSide:
     scheduler: Scheduler
     _hosted: dict[tuple[int, int], Hosted]
     _arrivals: Iterator[int]
+    _served_from: collections.defaultdict[int, Iterator[int]]
+    pp_members: list[int]
 
     if TYPE_CHECKING:
 
@@ -65,6 +68,8 @@ class ServingSide:
         forward = priority_class == SERVE_FORWARD
         task = Task(f"serve-{'fwd' if forward else 'bwd'}-mb{mb}", None, (priority_class, next(self._arrivals)), mb)
         task.phase = "forward" if forward else "backward"
+        if self.scheduler.lockstep is not None:  # the n-th request from a stage names it in every tp pipeline
+            task.key = ("serve", self.pp_members.index(message.src), next(self._served_from[message.src]))
         task.fn = lambda: serve(task, message)
         self.scheduler.spawn(task)
 

@@ -77,6 +77,12 @@ class Task:
         self.on_done: Callable[[Task], None] | None = None
         self.resumed_at = 0.0
         self.phase = "forward"  # "forward" or "backward", for the timeline
+        # lockstep (runtime/lockstep.py): the same task's name in every tp pipeline, a payload the leader
+        # computes when it picks the task (``share``), whether a follower's task can take it (``accepts``)
+        self.key: tuple = (name,)
+        self.share: Callable[[], Any] | None = None
+        self.accepts: Callable[[Any], bool] | None = None
+        self.shared: Any = None
 
     def __repr__(self) -> str:
         return f"Task({self.name}, waiting for {self.waiting_for or 'nothing'})"
@@ -98,6 +104,7 @@ class Scheduler:
         self._idle_workers: collections.deque[queue.SimpleQueue] = collections.deque()
         self._workers: list[queue.SimpleQueue] = []
         self._context = contextvars.copy_context()
+        self.lockstep: Any = None  # a Lockstep when tp peers of a pipeline stage must run tasks in one order
 
     def adopt(self, name: str) -> Task:
         """Make the calling thread (the one in the step call) the root task; it holds the baton."""
@@ -202,7 +209,7 @@ class Scheduler:
         while True:
             try:
                 self._drain()
-                nxt = self._pick()
+                nxt = self._pick() if self.lockstep is None else self.lockstep.choose(self)
                 if nxt is None:
                     self._wait_for_message(idle_since)
                     continue
@@ -273,6 +280,8 @@ class Scheduler:
         waiting = [t for t in self.tasks if t.expects_reply]
         if waiting and idle > self.timeout:
             lines = "\n".join(f"  - {t.name}: waiting for {t.waiting_for}" for t in waiting)
+            if self.lockstep is not None:
+                lines += self.lockstep.describe()
             raise SMPTimeoutError(
                 f"rank {self.rank} waited {idle:.0f} s with no message from the other pipeline ranks:\n{lines}\n"
                 f"Another rank may be stuck or dead. Raise {_TIMEOUT_ENV} if a step legitimately takes longer."

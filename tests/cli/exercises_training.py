@@ -277,7 +277,85 @@ def tensor_parallelism(smp: Any) -> None:
     smp.reset()
 
 
+def tensor_parallelism_with_pipeline(smp: Any) -> None:
+    """pp = 2 x tp = 2: user blocks swapped through smp.tp_register_with_module and @smp.tp_register, marked with
+    smp.tensor_parallelism() and smp.set_tensor_parallelism, one per stage, equal plain PyTorch."""
+    import tp_models as tm
+    from smp_compat.nn.swap import swap_modules
+
+    hidden, inner = tm.HIDDEN, 2 * tm.HIDDEN
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(hidden, inner), torch.nn.Linear(inner, hidden)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (x + self.fc2(torch.relu(self.fc1(x))),)
+
+    class DistBlock(smp.nn.DistributedModule):
+        def __init__(self, hidden_dropout_prob: float = 0.1) -> None:
+            super().__init__()
+            self.output = smp.nn.DistributedTransformerOutputLayer(hidden, inner, hidden_dropout_prob, "relu",
+                                                                   pre_layernorm=True, post_layernorm=False)  # fmt: skip
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.output(x)
+
+    hooks = (lambda: ((), {}), lambda x: ((x,), {}), lambda out: (out,))
+    smp.tp_register_with_module(Block, DistBlock, *hooks)
+
+    @smp.tp_register(DistBlock, *hooks)
+    class OtherBlock(Block):
+        pass
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(tm.VOCAB, hidden)
+            with smp.tensor_parallelism(hidden_dropout_prob=0.0):
+                first = Block()
+            self.blocks = torch.nn.ModuleList([first, OtherBlock()])
+            smp.set_tensor_parallelism(self.blocks[1], True, hidden_dropout_prob=0.0)
+            self.head = torch.nn.Linear(hidden, tm.VOCAB)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.embedding(ids)
+            for block in self.blocks:
+                h = block(h)[0]
+            return self.head(h)
+
+    ref_losses, ref_params = tm.reference(lambda: swap_modules(Net()))  # before smp.init: whole modules
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    torch.manual_seed(0)
+    model = smp.DistributedModel(Net())
+    net = model.get_module()
+    assert [type(b).__name__ for b in net.blocks] == ["DistBlock", "DistBlock"]
+    smp.set_partition(net.blocks[1], 1)
+    smp.set_partition(net.head, 1)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+
+    @smp.step
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = tm.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for ids in tm.batches():
+        opt.zero_grad()
+        losses.append(sum(smp.allgather(step(tm.my_samples(smp, ids)).reduce_mean().item(), smp.DP_GROUP)) / 2)
+        opt.step()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    full = {k: v.detach() for k, v in model.state_dict().items()}  # gathered over tp, then pp, on pp_rank 0
+    if smp.pp_rank() == 0:
+        assert_matches(full, ref_params, rtol=1e-5, atol=1e-5)
+    smp.reset()
+
+
 TRAINING = [pipeline_with_data_parallelism, schedule_and_placement_keys, manual_partition_and_model_members,
             step_output_members, sixteen_bit, sharded_optimizer_state, delayed_initialization,
-            activation_checkpointing, amp_grad_scaler, sharded_data_parallelism, tensor_parallelism]  # fmt: skip
+            activation_checkpointing, amp_grad_scaler, sharded_data_parallelism, tensor_parallelism,
+            tensor_parallelism_with_pipeline]  # fmt: skip
 assert STEPS >= 2  # the loss must have a chance to fall

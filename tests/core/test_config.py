@@ -441,7 +441,6 @@ def test_not_acted_on_contents() -> None:
 @pytest.mark.parametrize(
     ("params", "named"),
     [
-        ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
         ({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
     ],
 )
@@ -492,8 +491,8 @@ def test_smp_keys_frozen() -> None:
     assert list(resolve().to_dict()) == FROZEN_KEYS  # declaration order, for readable logs
 
 
-def test_tensor_parallelism_with_pipeline_parallelism_is_unsupported() -> None:
+def test_tensor_parallelism_with_pipeline_parallelism_is_accepted() -> None:
     assert "tensor_parallel_degree" not in UNSUPPORTED
     assert resolve({"tensor_parallel_degree": 2, "ddp": True}).tensor_parallel_degree == 2
-    with pytest.raises(SMPUnsupportedError, match="tensor parallelism combined with pipeline parallelism"):
-        resolve({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "ddp": True})
+    cfg = resolve({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "ddp": True})
+    assert (cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree) == (2, 2)

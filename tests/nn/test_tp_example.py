@@ -36,17 +36,19 @@ def _reference() -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
-def test_gpt2_tp_example_matches_stock_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("config", "pp"), [(CONFIG, 1), (CONFIG.with_name("pp2_tp2.json"), 2)])
+def test_gpt2_tp_example_matches_stock_hf(config: Path, pp: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import launching
 
-    monkeypatch.setattr(launching, "TIMEOUT_S", 240)  # two processes importing transformers on a busy machine
+    monkeypatch.setattr(launching, "TIMEOUT_S", 240)  # processes importing transformers on a busy machine
     out = tmp_path / "result.pt"
-    cmd = [*smp_compat_command(), "run", "--master-port", str(free_port()), "--config", str(CONFIG), str(SCRIPT),
+    cmd = [*smp_compat_command(), "run", "--master-port", str(free_port()), "--config", str(config), str(SCRIPT),
            "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--lr", str(LR), "--out", str(out)]  # fmt: skip
     run_all([(cmd, clean_env())], tmp_path)
     result = torch.load(out)
     ref_losses, ref_sd = _reference()
     assert result["tp_size"] == 2 and result["smp_import"] == "smdistributed.modelparallel.torch"
+    assert result.get("pp_size", 1) == pp
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert result["hf_state_dict"].keys() == ref_sd.keys()
     for name, value in ref_sd.items():
