@@ -68,7 +68,7 @@ def errors_are_raised_where_smp_raised_them(smp: Any, tmp: str) -> None:
     """Each exception class, from the situation that raises it; all are SMPError."""
     expect: list[tuple[type[BaseException], Any]] = [
         (smp.SMPConfigError, lambda: smp.init({"microbatches": 0})),
-        (smp.SMPUnsupportedError, lambda: (smp.init({}), smp.DistributedModel(torch.nn.Linear(2, 2)).join())),
+        (smp.SMPUnsupportedError, lambda: (smp.init({"ddp": True}), smp.DistributedModel(torch.nn.Linear(2, 2)).join())),
     ]
     for error, action in expect:
         try:
