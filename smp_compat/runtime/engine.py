@@ -27,7 +27,6 @@ from smp_compat.runtime.dispatch import call_children, call_local, dispatching_f
 from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
 from smp_compat.runtime.remote import (
-    CallId,
     CallRecord,
     Context,
     Driver,
@@ -40,7 +39,8 @@ from smp_compat.runtime.remote import (
     context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
-from smp_compat.runtime.lockstep import DECISION, create_lockstep, lockstep_replies
+from smp_compat.runtime.backward import BackwardSide
+from smp_compat.runtime.lockstep import DECISION, create_lockstep
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.serving import ServingSide
@@ -54,9 +54,9 @@ __all__ = ["PipelineEngine"]
 log = logging.getLogger("smp_compat")
 
 
-
-class PipelineEngine(ServingSide):
-    """Everything pipeline-specific of one DistributedModel (the owner side of calls is in serving.py)."""
+class PipelineEngine(BackwardSide, ServingSide):
+    """Everything pipeline-specific of one DistributedModel (the owner side of calls is in serving.py, the
+    caller's backward in backward.py)."""
 
     @classmethod
     def create(cls, model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PipelineEngine:
@@ -264,78 +264,6 @@ class PipelineEngine(ServingSide):
         finally:
             ctx.task.priority = priority
 
-    # ------------------------------------------------------------------ backward
-    def send_output_grads(self, record: CallRecord, grads: list[torch.Tensor | None]) -> None:
-        """Called from autograd (any thread): ship the gradients of remote outputs to their owner."""
-        driver = self._driving
-        record.triggered = True
-        request = (self.rank, next(self._seq))
-        driver.outstanding.add(request)
-        self._requests[request] = driver
-        self._request_owner[request] = record.owner
-        values = [v for v, g in zip(record.out_values, grads) if g is not None]
-        meta = {"req": request, "mb": record.microbatch, "values": values}
-        self._send(record.owner, "bwd", meta, [g for g in grads if g is not None])
-
-    def backward(self, tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor]) -> None:
-        """``model.backward`` inside a microbatch task on pp_rank 0."""
-        ctx = context()
-        if ctx is None or self._step is None:
-            raise StepUsageError("model.backward() must run inside the @smp.step function body.")
-        self._step.enter_backward(ctx.task)
-        self._drive_backward(ctx, tensors, grad_tensors)
-
-    def _drive_backward(self, ctx: Context, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """Local segment, then one more segment per batch of leaf gradients the owners return."""
-        driver = Driver(ctx.task)
-        self._segment(driver, roots, grads)
-        ready_replies = _arrived if self.lockstep is None else lockstep_replies(ctx.task, driver, self.rank)
-        while driver.outstanding:
-            ready = ready_replies(driver)
-            if not ready:
-                driver.waiting = True
-                self.scheduler.block(ctx.task, f"gradients from {self._pending_owners(driver)}")
-                driver.waiting = False
-                continue
-            roots, grads = [], []
-            for request in sorted(ready):
-                driver.outstanding.discard(request)
-                reply = driver.replies.pop(request)
-                if reply.kind == "bwd_err":
-                    raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}",
-                                      reply.meta.get("root"))  # fmt: skip
-                for (call_id, _, i), g in zip(reply.meta["leaves"], reply.tensors):
-                    t = self._record(call_id).grad_inputs[i]
-                    if t is not None:
-                        roots.append(t)
-                        grads.append(g)
-            self._segment(driver, roots, grads)
-        ctx.task.share = ctx.task.accepts = None  # lockstep: a plain task again
-
-    def _segment(self, driver: Driver, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """One local backward; the graph is kept because a later segment may pass through the same nodes."""
-        pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
-        if not pairs:
-            return
-        previous, self._driving = self._driving, driver
-        try:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
-        finally:
-            self._driving = previous
-
-    def _driving_microbatch(self) -> int | None:
-        return self._driving.task.microbatch if self._driving is not None else None
-
-    def _pending_owners(self, driver: Driver) -> str:
-        return ", ".join(sorted({f"rank {self._request_owner.get(r, '?')}" for r in driver.outstanding}))
-
-    def _record(self, call_id: CallId) -> CallRecord:
-        for calls in self._mb_calls.values():
-            record = calls.records.get(call_id)
-            if record is not None:
-                return record
-        raise RemoteError(f"rank {self.rank} got gradients for an unknown call {call_id}")
-
     def _end_microbatch(self, mb: int, learn: bool = True) -> None:
         """Learn which call sites only pass results on, and let owners drop this microbatch's values."""
         calls = self._mb_calls.pop(mb, None)
@@ -451,11 +379,6 @@ def _anchor() -> torch.Tensor:
     if not _ANCHOR:
         _ANCHOR.append(torch.zeros((), requires_grad=True))
     return _ANCHOR[0]
-
-
-def _arrived(driver: Driver) -> list[tuple[int, int]]:
-    """The gradient requests whose replies are here (all of them are consumed by the next segment)."""
-    return [r for r in driver.outstanding if r in driver.replies]
 
 
 def _detach(value: Any) -> Any:
