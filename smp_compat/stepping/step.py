@@ -18,7 +18,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from smp_compat.errors import StepUsageError
-from smp_compat.stepping.split import split_step_inputs, validate_split_options
+from smp_compat.stepping.signature import validate_split_options
+from smp_compat.stepping.split import split_step_inputs
 from smp_compat.globalstate import state
 from smp_compat.stepping.output import merge_step_outputs
 

@@ -13,7 +13,8 @@ import torch
 
 from smp_compat.stepping import split as split_module
 from smp_compat.errors import SMPConfigError, StepUsageError, TensorSplitError
-from smp_compat.stepping.split import split_step_inputs, validate_split_options
+from smp_compat.stepping.signature import validate_split_options
+from smp_compat.stepping.split import split_step_inputs
 from smp_compat.stepping.output import StepOutput
 
 
