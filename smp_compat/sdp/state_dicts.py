@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from smp_compat.checkpoints import state_dicts as common
-from smp_compat.errors import CheckpointError
+from smp_compat.errors import CheckpointError, SMPUnsupportedError
+from smp_compat.sdp.tp import tp_size
 
 __all__ = [
     "full_model_state_dict",
@@ -56,6 +57,10 @@ def _is_sharded(value: Any) -> bool:
 def full_model_state_dict(model: Any, cast_to_cpu: bool = True) -> dict[str, Any]:
     """Every entry as a full tensor on every rank (collective over the data-parallel group)."""
     sd = get_model_state_dict(model.module, options=StateDictOptions(full_state_dict=True))
+    if tp_size() > 1:  # whole over rdp, still this tp rank's slices: gather those over the tp group
+        from smp_compat.nn.state import gather_shards
+
+        sd = dict(gather_shards(model.module, sd))
     return _to_cpu(sd) if cast_to_cpu else sd
 
 
@@ -75,6 +80,10 @@ def load_model_state_dict(
     expected = list(model.module.state_dict().keys())
     sd = dict(common.strip_wrapper_prefix(sd, expected))
     full = not _is_sharded(sd)
+    if full and tp_size() > 1:  # whole tensors are cut to this tp rank's slices first
+        from smp_compat.nn.state import slice_for_rank
+
+        sd = dict(slice_for_rank(model.module, sd))
     result = set_model_state_dict(
         model.module, {k: v for k, v in sd.items()}, options=StateDictOptions(full_state_dict=full, strict=strict)
     )
@@ -82,7 +91,17 @@ def load_model_state_dict(
     return result
 
 
+def _refuse_full_optimizer_state_under_tp(what: str) -> None:
+    if tp_size() > 1:
+        raise SMPUnsupportedError(
+            f"{what}: the full optimizer state with tensor_parallel_degree > 1 and sharded data parallelism (SMP did "
+            "not support a full optimizer state under tensor parallelism either). Use optimizer.local_state_dict() / "
+            "load_state_dict() of it at the same degrees, or smp.save_checkpoint(partial=True)."
+        )
+
+
 def full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, cast_to_cpu: bool = True) -> dict[str, Any]:
+    _refuse_full_optimizer_state_under_tp("optimizer.state_dict()")
     sd = get_optimizer_state_dict(model.module, optimizer, options=StateDictOptions(full_state_dict=True))
     return _to_cpu(sd) if cast_to_cpu else sd
 
@@ -98,6 +117,8 @@ def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, stat
             "or optimizer.local_state_dict() of a sharded job (keys 'state' and 'param_groups')."
         )
     full = not _is_sharded(state_dict["state"])
+    if full and state_dict["state"]:
+        _refuse_full_optimizer_state_under_tp("optimizer.load_state_dict() of a full state")
     set_optimizer_state_dict(
         model.module, optimizer, dict(state_dict), options=StateDictOptions(full_state_dict=full)
     )

@@ -22,6 +22,7 @@ from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import process_group, state
 from smp_compat.sdp.mesh import build_mesh
+from smp_compat.sdp.tp import is_tp_shard, restore_tp_marks, tp_marks
 
 __all__ = ["shard_module", "choose_units", "registered_pairs", "register_parameter"]
 
@@ -109,6 +110,7 @@ def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Mod
     mesh = build_mesh()
     policy = mixed_precision()
     units = choose_units(root)
+    marks = tp_marks(root)
     if not any(t.is_meta for t in root.parameters()):
         root.to(state.device)  # as at pp = 1: the full model on this rank's device until it is sharded
     for unit in units:
@@ -118,6 +120,7 @@ def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Mod
     _prepare(root, [m for m in root.modules() if id(m) not in in_units], broadcast_buffers)
     check_initialized(root)  # now: a load after sharding goes into the shards, which this check cannot see
     fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    restore_tp_marks(root, marks)
     return units
 
 
@@ -132,9 +135,13 @@ def _prepare(root: nn.Module, modules: list[nn.Module], broadcast_buffers: bool)
     if broadcast_buffers:
         own += [b for m in modules for b in m._buffers.values() if b is not None]
     topo = state.topology
-    if topo.dp_size > 1 and own:
-        unique = list({id(t): t for t in own}.values())
-        grads.broadcast_tensors([t.data for t in unique], topo.group("dp", state.rank)[0], process_group("dp"), topo.dp_size)
+    unique = list({id(t): t for t in own}.values())
+    shards = [t.data for t in unique if is_tp_shard(t)]  # each tp rank keeps its own slice: synced over rdp
+    rest = [t.data for t in unique if not is_tp_shard(t)]
+    if topo.dp_size > 1 and rest:
+        grads.broadcast_tensors(rest, topo.group("dp", state.rank)[0], process_group("dp"), topo.dp_size)
+    if topo.rdp_size > 1 and shards:
+        grads.broadcast_tensors(shards, topo.group("rdp", state.rank)[0], process_group("rdp"), topo.rdp_size)
 
 
 def _is_dtensor(t: Any) -> bool:

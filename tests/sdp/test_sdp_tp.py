@@ -1,0 +1,138 @@
+"""Tensor parallelism x sharded data parallelism (tp = 2 x sdp = 2 on 4 ranks) trains like plain PyTorch.
+
+FSDP2 shards every parameter of each tp rank's model over its rdp group; the tp group's part of SMP's
+gradient rule, clipping and the tp gathers of state dicts are checked against one process on the global
+batch: losses every step, every parameter after several AdamW steps with SMP's default clipping (1.0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the test extra installs it: these tests must run, not skip
+
+import tp_models as tm
+from smp_compat.testing import run_ranks
+
+TP, SDP, WORLD = 2, 2, 4
+LR, EPS, CLIP = 1e-2, 1e-3, 1.0
+# eps 1e-3, not 1e-8: the key bias's true gradient is 0, and Adam would turn its float noise (~1e-9, different
+# in every summation order) into steps of ~lr; with eps 1e-3 it stays noise while real gradients still move.
+
+
+def _gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(vocab_size=tm.VOCAB, n_positions=tm.SEQ, n_embd=tm.HIDDEN, n_layer=2,
+                                     n_head=tm.HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _build(kind: str, smp: Any = None) -> torch.nn.Module:
+    """The model, built from the same seed; under smp as SMP scripts do (model_creation for HF)."""
+    import smp_compat
+
+    torch.manual_seed(0)
+    if kind == "smp_nn":
+        return tm.TinySmpLM((smp or smp_compat).nn)
+    if smp is None:
+        return _gpt2()
+    with smp.model_creation(tensor_parallelism=True):
+        return _gpt2()
+
+
+def _loss(kind: str, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss if kind == "gpt2" else tm.lm_loss(model(ids), ids)
+
+
+def _reference(kind: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    model = _build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, norms = [], []
+    for ids in tm.batches(steps):
+        opt.zero_grad()
+        loss = _loss(kind, model, ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _init(kind: str, prescaled: bool) -> tuple[Any, Any, Any]:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({"tensor_parallel_degree": TP, "sharded_data_parallel_degree": SDP, "ddp": True,
+              "prescaled_batch": prescaled})  # fmt: skip
+    model = smp.DistributedModel(_build(kind, smp))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    return smp, model, opt
+
+
+def _train(smp: Any, kind: str, model: Any, opt: Any, steps: int, start: int = 0) -> tuple[list[float], list[float]]:
+    """SMP's loop on this rank's samples; the global mean loss and the gradient norm of every step."""
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = _loss(kind, model, ids)
+        model.backward(loss)
+        return loss
+
+    losses, norms = [], []
+    for ids in tm.batches(start + steps)[start:]:
+        opt.zero_grad()
+        loss = train_step(tm.my_samples(smp, ids)).reduce_mean().item()
+        opt.step()
+        losses.append(sum(smp.allgather(loss, smp.WORLD)) / smp.size())
+        norms.append(opt._global_grad_norm)
+    return losses, norms
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sizes(model: Any, opt: Any, full: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Elements this rank holds for the tp-shard parameters (weights, AdamW moments), and their whole size."""
+    sizes = {"params": 0, "optimizer": 0, "whole": 0}
+    for name, p in model.module.named_parameters():
+        if model.is_distributed_parameter(p):
+            sizes["params"] += _local(p).numel()
+            sizes["whole"] += full[name].numel()  # gathered over rdp and tp by model.state_dict()
+            sizes["optimizer"] += sum(_local(v).numel() for v in opt.state[p].values() if v.dim() > 0)
+    return sizes
+
+
+def _fidelity(kind: str, prescaled: bool) -> dict[str, Any]:
+    smp, model, opt = _init(kind, prescaled)
+    losses, norms = _train(smp, kind, model, opt, tm.STEPS)
+    full = model.state_dict()
+    sizes = _sizes(model, opt, full)
+    if kind == "gpt2":
+        from smp_compat.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+
+        full = translate_state_dict_to_hf_gpt2(full)
+    return {"losses": losses, "params": full, "sizes": sizes, "norms": norms,
+            "n_dist": len(model.distributed_modules())}  # fmt: skip
+
+
+@pytest.mark.parametrize("prescaled", [False, True], ids=["own-samples", "prescaled"])
+@pytest.mark.parametrize("kind", ["smp_nn", "gpt2"])
+def test_tp2_sdp2_matches_plain_pytorch(kind: str, prescaled: bool) -> None:
+    results = run_ranks(_fidelity, WORLD, kind, prescaled, timeout=240)
+    ref_losses, ref_params, ref_norms = _reference(kind, tm.STEPS)
+    assert max(ref_norms) > CLIP  # SMP's default clipping acts in the reference run
+    full_elements = sum(v.numel() for v in ref_params.values())
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        assert r["params"].keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(r["params"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+        # each rank holds 1/(tp*sdp) of every tp-sharded weight and of its AdamW moments
+        sizes = r["sizes"]
+        assert r["n_dist"] > 0 and sizes["whole"] > full_elements / 2  # most of the model is tp-sharded
+        assert sizes["params"] * TP * SDP == sizes["whole"]
+        assert sizes["optimizer"] == 2 * sizes["params"]
