@@ -7,6 +7,8 @@ batch: losses every step, every parameter after several AdamW steps with SMP's d
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +138,74 @@ def test_tp2_sdp2_matches_plain_pytorch(kind: str, prescaled: bool) -> None:
         assert r["n_dist"] > 0 and sizes["whole"] > full_elements / 2  # most of the model is tp-sharded
         assert sizes["params"] * TP * SDP == sizes["whole"]
         assert sizes["optimizer"] == 2 * sizes["params"]
+
+
+SPLIT = 2  # save after this many steps, then 2 more
+
+
+def _save_then_continue(directory: str) -> dict[str, Any]:
+    smp, model, opt = _init("smp_nn", False)
+    _train(smp, "smp_nn", model, opt, SPLIT)
+    smp.save_checkpoint(directory, "step2", partial=True, model=model, optimizer=opt, user_content={"step": SPLIT})
+    saved = model.state_dict()
+    moments = {n: _local(opt.state[p]["exp_avg"]).clone() for n, p in model.module.named_parameters()}
+    losses, norms = _train(smp, "smp_nn", model, opt, 2, start=SPLIT)
+    return {"saved": saved, "final": model.state_dict(), "losses": losses, "norms": norms, "moments": moments,
+            "local": {k: tuple(_local(v).shape) for k, v in model.local_state_dict().items()}}  # fmt: skip
+
+
+def _resume_and_continue(directory: str) -> dict[str, Any]:
+    smp, model, opt = _init("smp_nn", False)
+    content = smp.resume_from_checkpoint(directory, tag=None, partial=True)
+    resumed = model.state_dict()
+    moments = {n: _local(opt.state[p]["exp_avg"]).clone() for n, p in model.module.named_parameters()}
+    losses, norms = _train(smp, "smp_nn", model, opt, 2, start=SPLIT)
+    return {"resumed": resumed, "final": model.state_dict(), "losses": losses, "norms": norms, "moments": moments,
+            "content": content}  # fmt: skip
+
+
+def test_partial_checkpoint_resumes_bitwise_and_merges_to_the_full_model(tmp_path: Path) -> None:
+    first = run_ranks(_save_then_continue, WORLD, str(tmp_path), timeout=240)
+    folder = tmp_path / "step2_partial"
+    assert {".metadata", "tp_layout.pt", "user_content.pt", "smp_config.pt"} | {f"__{r}_0.distcp" for r in range(WORLD)} \
+        <= {p.name for p in folder.iterdir()}  # fmt: skip
+    second = run_ranks(_resume_and_continue, WORLD, str(tmp_path), timeout=240)
+    ref_losses, ref_params, _ = _reference("smp_nn", SPLIT + 2)
+    for a, b in zip(first, second):
+        assert b["content"] == {"step": SPLIT}
+        for name, value in a["saved"].items():
+            assert torch.equal(b["resumed"][name], value), name  # every tp rank got its own slices back
+            assert torch.equal(b["final"][name], a["final"][name]), name  # bitwise: same degrees, same order
+        for name, value in a["moments"].items():
+            assert torch.equal(b["moments"][name], value), name
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(ref_losses[SPLIT:]), rtol=1e-5, atol=1e-6)
+        for name, value in ref_params.items():  # model.state_dict() is the whole model, as one process has it
+            torch.testing.assert_close(b["final"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # local_state_dict: this rank's 1/(tp*sdp) of a column-parallel weight
+    whole = first[0]["saved"]["transformer.seq_layers.0.attention.query_weight"].shape
+    assert first[0]["local"]["transformer.seq_layers.0.attention.query_weight"] == (whole[0] // (TP * SDP), whole[1])
+    state = _check_merge(tmp_path, first[0]["saved"], set(first[0]["moments"]))
+    for rank, r in enumerate(first):  # placement DPT: tp fastest, so rank = rdp_rank * TP + tp_rank
+        tp_rank, rdp_rank = rank % TP, rank // TP
+        column = state["transformer.seq_layers.0.attention.query_weight"]["exp_avg"]  # tp slices on dim 0
+        assert torch.equal(column.chunk(TP)[tp_rank].chunk(SDP)[rdp_rank],
+                           r["moments"]["transformer.seq_layers.0.attention.query_weight"])  # fmt: skip
+        replicated = state["ln.weight"]["exp_avg"]
+        assert torch.equal(replicated.chunk(SDP)[rdp_rank], r["moments"]["ln.weight"])
+
+
+def _check_merge(directory: Path, saved: dict[str, torch.Tensor], param_names: set[str]) -> dict[str, Any]:
+    """``smp-compat checkpoint merge`` joins the rdp shards (DCP) and the tp slices into whole tensors."""
+    out, optim = directory / "merged.pt", directory / "optim.pt"
+    subprocess.run([sys.executable, "-m", "smp_compat.cli", "checkpoint", "merge", str(directory / "step2_partial"),
+                    "-o", str(out), "--optimizer-output", str(optim)], check=True, capture_output=True, text=True)  # fmt: skip
+    merged = torch.load(out, weights_only=True)
+    assert merged.keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(merged[name], value), name
+    state = torch.load(optim, weights_only=True)["state"]
+    assert set(state) == param_names  # plain names: the tp-tagged slices were joined
+    for name, entry in state.items():
+        assert entry["exp_avg"].shape == saved[name].shape, name
+    return state
