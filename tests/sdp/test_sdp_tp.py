@@ -17,6 +17,7 @@ import torch
 import transformers  # the test extra installs it: these tests must run, not skip
 
 import tp_models as tm
+from smp_compat.errors import SMPUnsupportedError
 from smp_compat.testing import run_ranks
 
 TP, SDP, WORLD = 2, 2, 4
@@ -73,8 +74,10 @@ def _init(kind: str, prescaled: bool) -> tuple[Any, Any, Any]:
     return smp, model, opt
 
 
-def _train(smp: Any, kind: str, model: Any, opt: Any, steps: int, start: int = 0) -> tuple[list[float], list[float]]:
-    """SMP's loop on this rank's samples; the global mean loss and the gradient norm of every step."""
+def _train(smp: Any, kind: str, model: Any, opt: Any, steps: int, start: int = 0,
+           plain: bool = False) -> tuple[list[float], list[float]]:
+    """SMP's loop on this rank's samples (``plain``: loss.backward() without @smp.step, as SMP allowed at pp = 1);
+    the global mean loss and the gradient norm of every step."""
 
     @smp.step
     def train_step(ids: torch.Tensor) -> torch.Tensor:
@@ -85,7 +88,12 @@ def _train(smp: Any, kind: str, model: Any, opt: Any, steps: int, start: int = 0
     losses, norms = [], []
     for ids in tm.batches(start + steps)[start:]:
         opt.zero_grad()
-        loss = train_step(tm.my_samples(smp, ids)).reduce_mean().item()
+        if plain:
+            out = _loss(kind, model, tm.my_samples(smp, ids))
+            out.backward()
+            loss = out.item()
+        else:
+            loss = train_step(tm.my_samples(smp, ids)).reduce_mean().item()
         opt.step()
         losses.append(sum(smp.allgather(loss, smp.WORLD)) / smp.size())
         norms.append(opt._global_grad_norm)
@@ -107,23 +115,28 @@ def _sizes(model: Any, opt: Any, full: dict[str, torch.Tensor]) -> dict[str, int
     return sizes
 
 
-def _fidelity(kind: str, prescaled: bool) -> dict[str, Any]:
+def _fidelity(kind: str, prescaled: bool, plain: bool, directory: str) -> dict[str, Any]:
     smp, model, opt = _init(kind, prescaled)
-    losses, norms = _train(smp, kind, model, opt, tm.STEPS)
+    losses, norms = _train(smp, kind, model, opt, tm.STEPS, plain=plain)
     full = model.state_dict()
     sizes = _sizes(model, opt, full)
     if kind == "gpt2":
         from smp_compat.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 
         full = translate_state_dict_to_hf_gpt2(full)
+        smp.save_checkpoint(directory, "full.pt", partial=False, model=model)  # HF's own layout (translate_if_full)
     return {"losses": losses, "params": full, "sizes": sizes, "norms": norms,
             "n_dist": len(model.distributed_modules())}  # fmt: skip
 
 
-@pytest.mark.parametrize("prescaled", [False, True], ids=["own-samples", "prescaled"])
-@pytest.mark.parametrize("kind", ["smp_nn", "gpt2"])
-def test_tp2_sdp2_matches_plain_pytorch(kind: str, prescaled: bool) -> None:
-    results = run_ranks(_fidelity, WORLD, kind, prescaled, timeout=240)
+@pytest.mark.parametrize(
+    ("kind", "prescaled", "plain"),
+    [("smp_nn", False, False), ("smp_nn", True, False), ("smp_nn", False, True), ("gpt2", False, False),
+     ("gpt2", True, False)],
+    ids=["smp_nn-own-samples", "smp_nn-prescaled", "smp_nn-plain-backward", "gpt2-own-samples", "gpt2-prescaled"],
+)  # fmt: skip
+def test_tp2_sdp2_matches_plain_pytorch(kind: str, prescaled: bool, plain: bool, tmp_path: Path) -> None:
+    results = run_ranks(_fidelity, WORLD, kind, prescaled, plain, str(tmp_path), timeout=240)
     ref_losses, ref_params, ref_norms = _reference(kind, tm.STEPS)
     assert max(ref_norms) > CLIP  # SMP's default clipping acts in the reference run
     full_elements = sum(v.numel() for v in ref_params.values())
@@ -138,6 +151,11 @@ def test_tp2_sdp2_matches_plain_pytorch(kind: str, prescaled: bool) -> None:
         assert r["n_dist"] > 0 and sizes["whole"] > full_elements / 2  # most of the model is tp-sharded
         assert sizes["params"] * TP * SDP == sizes["whole"]
         assert sizes["optimizer"] == 2 * sizes["params"]
+    if kind == "gpt2":  # save_checkpoint(partial=False): whole tensors, in a form stock HF GPT-2 loads (strict)
+        stock = _gpt2()
+        stock.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=True), strict=True)
+        for name, value in stock.state_dict().items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 SPLIT = 2  # save after this many steps, then 2 more
@@ -150,8 +168,17 @@ def _save_then_continue(directory: str) -> dict[str, Any]:
     saved = model.state_dict()
     moments = {n: _local(opt.state[p]["exp_avg"]).clone() for n, p in model.module.named_parameters()}
     losses, norms = _train(smp, "smp_nn", model, opt, 2, start=SPLIT)
-    return {"saved": saved, "final": model.state_dict(), "losses": losses, "norms": norms, "moments": moments,
-            "local": {k: tuple(_local(v).shape) for k, v in model.local_state_dict().items()}}  # fmt: skip
+    final = model.state_dict()
+    model.load_state_dict(saved)  # a full dict: each rank takes its tp slice, then its rdp shard of it
+    reloaded = model.state_dict()
+    try:
+        opt.state_dict()
+        refused = ""
+    except SMPUnsupportedError as exc:
+        refused = str(exc)
+    return {"saved": saved, "final": final, "losses": losses, "norms": norms, "moments": moments,
+            "local": {k: tuple(_local(v).shape) for k, v in model.local_state_dict().items()},
+            "reloaded": reloaded, "refused": refused}  # fmt: skip
 
 
 def _resume_and_continue(directory: str) -> dict[str, Any]:
@@ -179,6 +206,9 @@ def test_partial_checkpoint_resumes_bitwise_and_merges_to_the_full_model(tmp_pat
         for name, value in a["moments"].items():
             assert torch.equal(b["moments"][name], value), name
         assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        assert all(torch.equal(a["reloaded"][k], v) for k, v in a["saved"].items())
+        assert not all(torch.equal(a["final"][k], v) for k, v in a["saved"].items())  # the load changed something
+        assert "full optimizer state" in a["refused"]
         torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(ref_losses[SPLIT:]), rtol=1e-5, atol=1e-6)
         for name, value in ref_params.items():  # model.state_dict() is the whole model, as one process has it
             torch.testing.assert_close(b["final"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
