@@ -1,8 +1,9 @@
 """Sharding the model at ``smp.DistributedModel(...)``: one FSDP2 unit per block, root last.
 
 SMP sharded eagerly (scripts build their optimizer's parameter groups right after wrapping), so this
-runs in the DistributedModel constructor. Units are the children of every ``nn.ModuleList`` (the
-transformer blocks of HF and AWS models) or, for a model without one, its direct children. A unit
+runs in the DistributedModel constructor. Units are the children of every ``nn.ModuleList`` and of
+``smp.nn``'s ``seq_layers`` (the transformer blocks of HF, swapped and AWS models) or, for a model
+without either, its direct children. A unit
 that shares a parameter with anything outside it (tied embeddings and heads, ``smp.register_parameter``)
 is left to the root unit, so a shared parameter always lives in one FSDP group (torch >= 2.13 refuses
 otherwise). Delayed-initialization models are materialized one unit at a time and sharded at once,
@@ -68,7 +69,8 @@ def choose_units(root: nn.Module) -> list[nn.Module]:
 
 
 def _candidates(root: nn.Module) -> list[nn.Module]:
-    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList)]
+    stacks = _layer_stacks(root)
+    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList) or id(m) in stacks]
     if lists:
         found: list[nn.Module] = []
         for ml in lists:
@@ -76,6 +78,11 @@ def _candidates(root: nn.Module) -> list[nn.Module]:
                 found.extend(c for c in ml if any(True for _ in c.parameters()))
         return found
     return [c for c in root.children() if any(True for _ in c.parameters())]
+
+
+def _layer_stacks(root: nn.Module) -> set[int]:
+    """ids of ``smp.nn.DistributedTransformer.seq_layers`` (an ``nn.Sequential``, as SMP's): its layers are blocks."""
+    return {id(m.seq_layers) for m in root.modules() if isinstance(getattr(m, "seq_layers", None), nn.Sequential)}
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
