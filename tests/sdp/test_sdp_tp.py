@@ -41,7 +41,7 @@ def _build(kind: str, smp: Any = None) -> torch.nn.Module:
         return tm.TinySmpLM((smp or smp_compat).nn)
     if smp is None:
         return _gpt2()
-    with smp.model_creation(tensor_parallelism=True):
+    with smp.model_creation(tensor_parallelism=True, distribute_embedding=True):  # as AWS's scripts under sdp x tp
         return _gpt2()
 
 
