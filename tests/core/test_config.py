@@ -442,7 +442,6 @@ def test_not_acted_on_contents() -> None:
     ("params", "named"),
     [
         ({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
-        ({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
     ],
 )
 def test_combinations_not_implemented_are_refused_naming_them(params: dict[str, Any], named: str) -> None:

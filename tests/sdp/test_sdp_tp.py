@@ -239,3 +239,15 @@ def _check_merge(directory: Path, saved: dict[str, torch.Tensor], param_names: s
     for name, entry in state.items():
         assert entry["exp_avg"].shape == saved[name].shape, name
     return state
+
+
+def test_sdp_with_tp_is_accepted_and_shards_over_rdp() -> None:
+    from smp_compat.config import resolve_config
+    from smp_compat.errors import SMPConfigError
+
+    cfg = resolve_config({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True}, environ={})
+    cfg.check_world_size(4)  # tp 2 x sdp 2
+    cfg.check_world_size(8)  # tp 2 x two replicas of sdp 2 (HSDP over rdp 4)
+    wide = resolve_config({"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2, "ddp": True}, environ={})
+    with pytest.raises(SMPConfigError, match=r"must divide the reduced-data-parallel degree \(2 = world size 4"):
+        wide.check_world_size(4)
