@@ -251,3 +251,31 @@ def test_sdp_with_tp_is_accepted_and_shards_over_rdp() -> None:
     wide = resolve_config({"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2, "ddp": True}, environ={})
     with pytest.raises(SMPConfigError, match=r"must divide the reduced-data-parallel degree \(2 = world size 4"):
         wide.check_world_size(4)
+
+
+def _delayed(tp: int, sdp: int) -> dict[str, Any]:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({"tensor_parallel_degree": tp, "sharded_data_parallel_degree": sdp, "ddp": True,
+              "delayed_parameter_initialization": True})  # fmt: skip
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        hf = _gpt2()
+    on_meta = all(p.is_meta for p in hf.parameters())
+    torch.manual_seed(5)  # materialization draws from the global RNG: at wrapping under sdp, else at the 1st forward
+    model = smp.DistributedModel(hf)
+    torch.manual_seed(5)
+    model(input_ids=tm.batches(1)[0][:2])
+    return {"on_meta": on_meta, "local": sum(_local(p).numel() for p in model.parameters()),
+            "full": model.state_dict()}  # fmt: skip
+
+
+def test_delayed_initialization_materializes_the_same_weights_in_shards() -> None:
+    whole = run_ranks(_delayed, 1, 1, 1, timeout=120)[0]
+    total = sum(p.numel() for p in _gpt2().parameters())
+    for r in run_ranks(_delayed, WORLD, TP, SDP, timeout=240):
+        assert r["on_meta"] and whole["on_meta"]
+        assert r["local"] < total / SDP  # 1/sdp of everything, and 1/(tp*sdp) of the tp-sharded weights
+        for name, value in whole["full"].items():  # the same RNG draws: whole tensors, then slices, then shards
+            assert torch.equal(r["full"][name], value), name
