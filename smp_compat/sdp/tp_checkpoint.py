@@ -5,7 +5,8 @@ it over the rdp group). The tp ranks' slices of a shard parameter have the same 
 contents, so a tp-shard entry is saved as ``<name>#tp<t>of<T>`` (model weights, and the parameter's
 key in the optimizer state); tp-replicated entries keep their plain names and are written once. The
 folder also gets ``tp_layout.pt`` (rank 0): ``{"tensor_parallel_degree": T, "shards": {name: {"dim",
-"blocks"}}}``, so ``smp-compat checkpoint merge`` can join the slices into whole tensors offline.
+"blocks", "shape"}}}`` (the shard record partial parts carry, nn/state.py), so ``smp-compat checkpoint
+merge`` can join the slices into whole tensors offline (checkpoints/tp_reshard.py's ``join_shards``).
 Resume needs the same tp degree (checked from ``smp_config.pt``); the sdp degree may change.
 """
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from smp_compat.checkpoints.serialization import atomic_save, safe_load
+from smp_compat.checkpoints.tp_reshard import join_shards
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import state
 from smp_compat.sdp.tp import tp_marks, tp_size
@@ -62,19 +64,15 @@ def untag_tp_slices(content: dict[str, Any], root: nn.Module) -> dict[str, Any]:
 
 
 def write_layout(folder: Path, root: nn.Module) -> None:
-    """Rank 0: how each tp-shard parameter was cut (for an offline merge)."""
+    """Rank 0: how each tp-shard parameter was cut (nn/state.py's shard record), for an offline merge."""
     if tp_size() > 1 and state.rank == 0:
-        atomic_save({"tensor_parallel_degree": tp_size(), "shards": tp_marks(root)}, Path(folder) / LAYOUT)
+        from smp_compat.nn.state import shard_layout
+
+        atomic_save({"tensor_parallel_degree": tp_size(), "shards": shard_layout(root)}, Path(folder) / LAYOUT)
 
 
-def _join(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
-    """Whole tensor from the tp slices (a fused q|k|v is cut per section: join each section, then stack)."""
-    if blocks == 1:
-        return torch.cat(parts, dim=dim)
-    return torch.cat([torch.cat([p.chunk(blocks, dim=dim)[s] for p in parts], dim=dim) for s in range(blocks)], dim=dim)
-
-
-def _join_entries(entries: dict[str, Any], shards: dict[str, dict[str, int]], size: int, what: str) -> dict[str, Any]:
+def _join_entries(entries: dict[str, Any], shards: dict[str, dict[str, Any]], size: int, what: str) -> dict[str, Any]:
+    """Entries under plain names: tp-tagged slices joined into whole tensors (optimizer state per key)."""
     out: dict[str, Any] = {}
     slices: dict[str, dict[int, Any]] = {}
     for key, value in entries.items():
@@ -86,19 +84,17 @@ def _join_entries(entries: dict[str, Any], shards: dict[str, dict[str, int]], si
     for name, by_rank in slices.items():
         if sorted(by_rank) != list(range(size)) or name not in shards:
             raise CheckpointError(f"{what}: tensor-parallel slices of {name!r} are incomplete ({sorted(by_rank)} of {size}).")
-        mark = shards[name]
         parts = [by_rank[t] for t in range(size)]
-        out[name] = _join(parts, mark["_smp_tp_dim"], mark.get("_smp_tp_blocks", 1)) if isinstance(parts[0], torch.Tensor) \
-            else {k: _join_state([p[k] for p in parts], mark) for k in parts[0]}  # fmt: skip
+        if isinstance(parts[0], torch.Tensor):
+            out[name] = join_shards(parts, shards[name])
+        else:  # an optimizer state entry: tensors shaped like the slice are joined, scalars (``step``) kept
+            out[name] = {k: join_shards([p[k] for p in parts], shards[name]) if _sliced(parts[0][k]) else parts[0][k]
+                         for k in parts[0]}  # fmt: skip
     return out
 
 
-def _join_state(values: list[Any], mark: dict[str, int]) -> Any:
-    """One optimizer-state entry: slices shaped like the parameter are joined, scalars (``step``) kept."""
-    first = values[0]
-    if isinstance(first, torch.Tensor) and first.dim() > 0:
-        return _join(values, mark["_smp_tp_dim"], mark.get("_smp_tp_blocks", 1))
-    return first
+def _sliced(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def join_tp_slices(folder: Path, model: dict[str, Any], optim: dict[str, Any] | None) -> tuple[dict, dict | None]:
