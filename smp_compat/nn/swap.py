@@ -89,8 +89,8 @@ def _without_forced_flags(overrides: dict[str, Any]) -> dict[str, Any]:
     sdp_tp = state.initialized and state.cfg.sharded_data_parallel_degree > 1 and state.topology.tp_size > 1
     if not (sdp_tp and overrides.get("distribute_embedding")):
         return overrides
-    log.info("smp_compat: distribute_embedding=True under sharded data parallelism x tensor parallelism: the "
-             "embedding is sharded over the rdp group by FSDP2 (not split over tp); numerics are unchanged")  # fmt: skip
+    log.info("smp_compat: distribute_embedding=True under sharded data parallelism x tensor parallelism: "
+             "the embedding is sharded over the rdp group by FSDP2 (not split over tp); numerics are unchanged")
     return {k: v for k, v in overrides.items() if k != "distribute_embedding"}
 
 

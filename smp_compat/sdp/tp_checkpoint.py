@@ -83,7 +83,9 @@ def _join_entries(entries: dict[str, Any], shards: dict[str, dict[str, Any]], si
             slices.setdefault(match["name"], {})[int(match["rank"])] = value
     for name, by_rank in slices.items():
         if sorted(by_rank) != list(range(size)) or name not in shards:
-            raise CheckpointError(f"{what}: tensor-parallel slices of {name!r} are incomplete ({sorted(by_rank)} of {size}).")
+            raise CheckpointError(
+                f"{what}: tensor-parallel slices of {name!r} are incomplete ({sorted(by_rank)} of {size})."
+            )
         parts = [by_rank[t] for t in range(size)]
         if isinstance(parts[0], torch.Tensor):
             out[name] = join_shards(parts, shards[name])

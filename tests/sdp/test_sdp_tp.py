@@ -194,8 +194,9 @@ def _resume_and_continue(directory: str) -> dict[str, Any]:
 def test_partial_checkpoint_resumes_bitwise_and_merges_to_the_full_model(tmp_path: Path) -> None:
     first = run_ranks(_save_then_continue, WORLD, str(tmp_path), timeout=240)
     folder = tmp_path / "step2_partial"
-    assert {".metadata", "tp_layout.pt", "user_content.pt", "smp_config.pt"} | {f"__{r}_0.distcp" for r in range(WORLD)} \
-        <= {p.name for p in folder.iterdir()}  # fmt: skip
+    ranks = {f"__{r}_0.distcp" for r in range(WORLD)}
+    expected = {".metadata", "tp_layout.pt", "user_content.pt", "smp_config.pt"} | ranks
+    assert expected <= {p.name for p in folder.iterdir()}
     second = run_ranks(_resume_and_continue, WORLD, str(tmp_path), timeout=240)
     ref_losses, ref_params, _ = _reference("smp_nn", SPLIT + 2)
     for a, b in zip(first, second):
@@ -228,8 +229,9 @@ def test_partial_checkpoint_resumes_bitwise_and_merges_to_the_full_model(tmp_pat
 def _check_merge(directory: Path, saved: dict[str, torch.Tensor], param_names: set[str]) -> dict[str, Any]:
     """``smp-compat checkpoint merge`` joins the rdp shards (DCP) and the tp slices into whole tensors."""
     out, optim = directory / "merged.pt", directory / "optim.pt"
-    subprocess.run([sys.executable, "-m", "smp_compat.cli", "checkpoint", "merge", str(directory / "step2_partial"),
-                    "-o", str(out), "--optimizer-output", str(optim)], check=True, capture_output=True, text=True)  # fmt: skip
+    command = ["checkpoint", "merge", str(directory / "step2_partial"), "-o", str(out),
+               "--optimizer-output", str(optim)]  # fmt: skip
+    subprocess.run([sys.executable, "-m", "smp_compat.cli", *command], check=True, capture_output=True, text=True)
     merged = torch.load(out, weights_only=True)
     assert merged.keys() == saved.keys()
     for name, value in saved.items():
