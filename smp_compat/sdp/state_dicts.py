@@ -3,7 +3,8 @@
 ``model.state_dict()`` gathers real full tensors on every rank (SMP returned placeholders under
 sharded DP); ``local_state_dict()`` returns the sharded form (DTensor values, this rank's shards),
 which is what DCP saves and reshards on load. Keys are the user module's own parameter names, as
-plain PyTorch's; optimizer state is keyed by the same names (DCP's form).
+plain PyTorch's; optimizer state is keyed by the same names (DCP's form). Under tensor parallelism the
+full forms are also gathered over the tp group (and loading a full form cuts each tp rank's slice).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from smp_compat.checkpoints import state_dicts as common
-from smp_compat.errors import CheckpointError, SMPUnsupportedError
+from smp_compat.errors import CheckpointError
 from smp_compat.sdp.tp import tp_size
 
 __all__ = [
@@ -91,18 +92,28 @@ def load_model_state_dict(
     return result
 
 
-def _refuse_full_optimizer_state_under_tp(what: str) -> None:
-    if tp_size() > 1:
-        raise SMPUnsupportedError(
-            f"{what}: the full optimizer state with tensor_parallel_degree > 1 and sharded data parallelism (SMP did "
-            "not support a full optimizer state under tensor parallelism either). Use optimizer.local_state_dict() / "
-            "load_state_dict() of it at the same degrees, or smp.save_checkpoint(partial=True)."
-        )
+def _tp_optimizer_state(model: Any, state: Mapping[str, Any], convert: Callable[..., Any]) -> dict[str, Any]:
+    """``state`` with each tp shard's moments passed through ``convert`` (gather or slice, nn/state.py).
+
+    Per state key (``exp_avg``, ...), the entries shaped like their parameter form a name-keyed dict that
+    ``convert`` treats as it treats the model's own (collective over tp for a gather); scalars stay.
+    """
+    out = {name: dict(entry) for name, entry in state.items()}
+    keys = sorted({k for entry in out.values() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim()})
+    for key in keys:
+        column = {n: e[key] for n, e in out.items() if isinstance(e.get(key), torch.Tensor) and e[key].dim()}
+        for name, value in convert(model.module, column).items():
+            out[name][key] = value
+    return out
 
 
 def full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, cast_to_cpu: bool = True) -> dict[str, Any]:
-    _refuse_full_optimizer_state_under_tp("optimizer.state_dict()")
+    """Whole tensors keyed by parameter name (collective over the job: rdp by FSDP2, then tp)."""
     sd = get_optimizer_state_dict(model.module, optimizer, options=StateDictOptions(full_state_dict=True))
+    if tp_size() > 1:
+        from smp_compat.nn.state import gather_shards
+
+        sd = {**sd, "state": _tp_optimizer_state(model, sd["state"], gather_shards)}
     return _to_cpu(sd) if cast_to_cpu else sd
 
 
@@ -117,8 +128,10 @@ def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, stat
             "or optimizer.local_state_dict() of a sharded job (keys 'state' and 'param_groups')."
         )
     full = not _is_sharded(state_dict["state"])
-    if full and state_dict["state"]:
-        _refuse_full_optimizer_state_under_tp("optimizer.load_state_dict() of a full state")
+    if full and tp_size() > 1:  # whole moments are cut to this tp rank's slices first
+        from smp_compat.nn.state import slice_for_rank
+
+        state_dict = {**state_dict, "state": _tp_optimizer_state(model, state_dict["state"], slice_for_rank)}
     set_optimizer_state_dict(
         model.module, optimizer, dict(state_dict), options=StateDictOptions(full_state_dict=full)
     )
