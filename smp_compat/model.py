@@ -247,7 +247,12 @@ class DistributedModel(nn.Module):
                 hook(self, state.optimizer)
 
     def _average_gradients(self) -> None:
-        if state.topology.dp_size == 1 or self._sdp_units is not None:  # FSDP reduced them in backward
+        if self._sdp_units is not None:  # FSDP reduced them over rdp in backward; the tp part is left
+            from smp_compat.sdp.tp import reduce_tp_gradients
+
+            reduce_tp_gradients(self.module.parameters())
+            return
+        if state.topology.dp_size == 1:
             return
         params = [p for p in self.local_parameters() if p.requires_grad]
         if self.distributed_modules():

@@ -114,8 +114,9 @@ def _info_sharded(ns: argparse.Namespace, folder: Path) -> int:
         saved = convert.load_file(config, ns.unsafe)
         if isinstance(saved, dict):
             print(f"saved by: {saved.get('smp_version', '?')}")
-            keys = ("sharded_data_parallel_degree", "dp_size", "world_size")
-            print(f"degrees: {({k: saved.get(k) for k in keys if k in saved})} (resumes at any sharded degree)")
+            keys = ("sharded_data_parallel_degree", "tensor_parallel_degree", "dp_size", "world_size")
+            print(f"degrees: {({k: saved.get(k) for k in keys if k in saved})} (resumes at any sharded degree, "
+                  "the same tensor-parallel degree)")
     newest = folders.read_newest(folder.parent)
     if newest:
         print(f"newest (oldest first): {', '.join(newest)}")

@@ -90,7 +90,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
     ("Model and optimizer", [
         ("DistributedModel", _S, "Swaps modules marked for tensor parallelism in place (HF GPT-2, GPT-J, GPT-Neo, "
          "GPT-NeoX, BERT, RoBERTa and smp.tp_register'd classes; docs/porting.md, Tensor parallelism). With "
-         "sharded_data_parallel_degree > 1 it shards the model with FSDP2 when called, as SMP did.", ""),
+         "sharded_data_parallel_degree > 1 it shards the model with FSDP2 when called, as SMP did (with "
+         "tensor_parallel_degree > 1 too: over the rdp group, as SMP 1.15).", ""),
         ("DistributedOptimizer", _S, "Returns the optimizer patched with SMP's methods; with fp16/bf16 on, a wrapper "
          "with fp32 master weights and loss scaling, as SMP. Under sharded data parallelism, a wrapper that clips "
          "to sdp_gradient_clipping inside step() and sets _global_grad_norm, as SMP.", ""),

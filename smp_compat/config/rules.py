@@ -103,8 +103,9 @@ def world_size_problem(cfg: SMPConfig, world: int) -> str | None:
         )
     sdp, dp = cfg.sharded_data_parallel_degree, world // (pp * tp)
     if sdp > 1 and dp % sdp:
+        group = "data-parallel" if tp == 1 else "reduced-data-parallel"  # with tp, sdp shards over rdp (SMP 1.15)
         return (
-            f"sharded_data_parallel_degree ({sdp}) must divide the data-parallel degree ({dp} = world size {world} "
+            f"sharded_data_parallel_degree ({sdp}) must divide the {group} degree ({dp} = world size {world} "
             f"/ {degrees}); choose a divisor of {dp}, as SMP requires."
         )
     if world > pp * tp and not cfg.ddp:

@@ -100,12 +100,6 @@ def _is_non_default(value: Any, default: Any) -> bool:
 
 def _check_unsupported(params: Mapping[str, Any]) -> None:
     """Refuse features we lack before the cross-key rules, so the user hears the real obstacle first."""
-    sdp, tp = params.get("sharded_data_parallel_degree", 1), params.get("tensor_parallel_degree", 1)
-    if isinstance(sdp, int) and isinstance(tp, int) and sdp > 1 and tp > 1:
-        raise SMPUnsupportedError(
-            f"sharded_data_parallel_degree={sdp} with tensor_parallel_degree={tp} (SMP 1.15's sharded data "
-            "parallelism over the reduced-data-parallel group) is not implemented yet; use one of the two."
-        )
     for key, feature in UNSUPPORTED.items():
         default = SMPConfig.model_fields[FIELD_BY_KEY[key]].default
         if key in params and _is_non_default(params[key], default):

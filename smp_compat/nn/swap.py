@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp_compat.globalstate import state
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn import registry
 from smp_compat.nn.registry import Registration, init_args_of, lookup, mark_of
@@ -60,6 +61,7 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
         return None
     registry.requested = False  # a supported module was found: no "nothing supported" line for this model
     where = f"{path or '<root>'} ({type(module).__name__})"
+    mark = (mark[0], _without_forced_flags(mark[1]))
     if registration.build is not None:
         try:
             new = registration.build(module, mark[1])
@@ -93,6 +95,17 @@ def _layer_pairs(old: nn.Module, new: nn.Module) -> list[tuple[nn.Module, nn.Mod
         if isinstance(child, nn.ModuleList | nn.Sequential) and len(child) == len(layers):
             return list(zip(child, layers))
     return []
+
+
+def _without_forced_flags(overrides: dict[str, Any]) -> dict[str, Any]:
+    """SMP 1.15 forced ``distribute_embedding`` on under sharded DP x tp, and AWS's scripts pass it there:
+    accepted in that combination, where FSDP2 shards the embedding over the rdp group like every parameter."""
+    sdp_tp = state.initialized and state.cfg.sharded_data_parallel_degree > 1 and state.topology.tp_size > 1
+    if not (sdp_tp and overrides.get("distribute_embedding")):
+        return overrides
+    log.info("smp_compat: distribute_embedding=True under sharded data parallelism x tensor parallelism: "
+             "the embedding is sharded over the rdp group by FSDP2 (not split over tp); numerics are unchanged")
+    return {k: v for k, v in overrides.items() if k != "distribute_embedding"}
 
 
 def _build_generic(module: nn.Module, reg: Registration, overrides: dict[str, Any]) -> nn.Module:

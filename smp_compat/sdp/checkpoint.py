@@ -5,7 +5,8 @@ as every partial checkpoint (checkpoints/folders.py), so a kill during a save lo
 ``.metadata`` and one ``__<rank>_0.distcp`` per rank (model and optimizer shards, keyed by parameter
 name), ``fp16_states.pt`` (the loss scaler), plus the usual ``user_content.pt`` and ``smp_config.pt``.
 DCP reshards on load, so a checkpoint saved at one ``sharded_data_parallel_degree`` resumes at another
-(SMP could not). ``smp-compat checkpoint merge`` turns the folder into one plain state dict.
+(SMP could not). ``smp-compat checkpoint merge`` turns the folder into one plain state dict. With tensor
+parallelism each tp rank's slices are saved under tp-tagged names (tp_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import state
 from smp_compat.sdp.state_dicts import attach_ds_views
+from smp_compat.sdp.tp_checkpoint import join_tp_slices, tag_tp_slices, untag_tp_slices, write_layout
 from smp_compat.checkpoints.serialization import atomic_save, safe_load
 
 __all__ = ["is_sharded_checkpoint", "write_sharded", "load_sharded", "merge_sharded", "FP16_STATES"]
@@ -55,7 +57,8 @@ def write_sharded(staging: Path, model: Any, optimizer: Any) -> None:
     content: dict[str, Any] = {"model": get_model_state_dict(model.module)}
     if optimizer is not None:
         content["optim"] = get_optimizer_state_dict(model.module, _optimizer_of(optimizer))
-    dcp.save(content, checkpoint_id=str(staging))
+    dcp.save(tag_tp_slices(content, model.module), checkpoint_id=str(staging))
+    write_layout(staging, model.module)
     fp16_states = getattr(optimizer, "local_fp16_state_dict", None)
     if state.rank == 0 and callable(fp16_states):
         atomic_save(fp16_states(), Path(staging) / FP16_STATES)
@@ -86,7 +89,9 @@ def load_sharded(
     moments = load_optimizer and load_sharded_optimizer_state
     if moments:
         content["optim"] = get_optimizer_state_dict(model.module, inner)
-    dcp.load(content, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    tagged = tag_tp_slices(content, model.module)
+    dcp.load(tagged, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    content = untag_tp_slices(tagged, model.module)
     set_model_state_dict(model.module, content["model"])
     if moments:
         set_optimizer_state_dict(model.module, inner, content["optim"])
@@ -104,4 +109,4 @@ def merge_sharded(folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
         out = Path(tmp) / "merged.pt"
         dcp_to_torch_save(str(folder), str(out))
         merged = torch.load(out, map_location="cpu", weights_only=True)
-    return dict(merged.get("model", {})), merged.get("optim")
+    return join_tp_slices(folder, dict(merged.get("model", {})), merged.get("optim"))

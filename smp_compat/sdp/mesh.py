@@ -23,11 +23,11 @@ def build_mesh() -> DeviceMesh:
     """This job's FSDP mesh (created once per process, collectively on every rank)."""
     topo = state.topology
     sdp = state.cfg.sharded_data_parallel_degree
-    members = topo.group("dp", state.rank)
+    members = topo.group("rdp", state.rank)  # the dp group at tp = 1; sdp shards over rdp under tp (SMP 1.15)
     if len(members) % sdp:
         raise SMPConfigError(
-            f"sharded_data_parallel_degree ({sdp}) must divide the data-parallel degree ({len(members)}); "
-            f"choose a divisor of {len(members)}."
+            f"sharded_data_parallel_degree ({sdp}) must divide the reduced-data-parallel degree ({len(members)} = "
+            f"dp / tensor_parallel_degree); choose a divisor of {len(members)}."
         )
     if state.device.type == "cuda" and state.backend != "nccl":
         raise SMPUnsupportedError(
@@ -36,6 +36,8 @@ def build_mesh() -> DeviceMesh:
             "crashed, measured on an H100). Start one process per GPU, or run on the CPU (CUDA_VISIBLE_DEVICES=)."
         )
     key = (id(state.launch), len(members), sdp, state.device.type)  # a new smp.init gets new groups
+    if key not in _cache and topo.tp_size > 1:
+        _cache[key] = _tp_mesh(sdp)
     if key not in _cache:
         reps = len(members) // sdp
         ranks = torch.tensor(members, dtype=torch.int64)
@@ -44,6 +46,19 @@ def build_mesh() -> DeviceMesh:
         else:
             _cache[key] = DeviceMesh(state.device.type, ranks.view(reps, sdp), mesh_dim_names=("sdp_rep", "sdp_shard"))
     return _cache[key]
+
+
+def _tp_mesh(sdp: int) -> DeviceMesh:
+    """With tensor parallelism: the whole job as ``(sdp_rep, sdp_shard, tp)`` (SMP 1.15's layout, DG-SDP
+    example 2), sliced to its sharding dims: FSDP2 shards over the rdp group, each tp rank its own slices."""
+    topo = state.topology
+    reps = topo.rdp_size // sdp
+    ranks = torch.tensor(
+        [[[topo.rank_of(0, t, r * sdp + s) for t in range(topo.tp_size)] for s in range(sdp)] for r in range(reps)],
+        dtype=torch.int64,
+    )
+    full = DeviceMesh(state.device.type, ranks, mesh_dim_names=("sdp_rep", "sdp_shard", "tp"))
+    return full["sdp_rep", "sdp_shard"] if reps > 1 else full["sdp_shard"]
 
 
 def shard_dim_mesh() -> DeviceMesh:

@@ -4,13 +4,16 @@
 mixed types), and a DTensor norm over an HSDP mesh must not count the replicas twice. So: each rank
 sums its local shards' powers, those sums are all-reduced over the sharding group only (replicas
 hold equal shards after the gradient all-reduce), and plain gradients (identical on every rank) are
-added once. Everything stays on the device: reading the norm as a number is the caller's choice.
+added once. Under tensor parallelism the tp shards' sums are first all-reduced over the tp group (each
+tp rank holds other rows), the tp-replicated ones counted once. Everything stays on the device:
+reading the norm as a number is the caller's choice.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,15 +37,29 @@ def _partial(tensors: list[torch.Tensor], norm_type: float, device: torch.device
     return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
-def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if unsharded, a 0-dim tensor (collective over the sharding group)."""
+def global_grad_norm(
+    grads: Iterable[torch.Tensor], norm_type: float = 2.0, tp_grads: Iterable[torch.Tensor] = (), tp_group: Any = None
+) -> torch.Tensor:
+    """The norm of all gradients as if unsharded, a 0-dim tensor (collective over the sharding group).
+
+    ``tp_grads`` (sharded over the rdp group like the rest) are tensor-parallel shards: their pieces are
+    summed over ``tp_group`` too, while ``grads`` are the same on every tp rank and count once.
+    """
     grads = [g.detach() for g in grads]
+    tp_grads = [_local(g.detach()) for g in tp_grads]
     sharded = [_local(g) for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    device = (sharded + plain)[0].device if grads else torch.device("cpu")
+    device = (sharded + plain + tp_grads)[0].device if grads or tp_grads else torch.device("cpu")
     inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    if tp_group is None:  # tp = 1: a shard is the whole tensor
+        sharded, tp_grads = sharded + tp_grads, []
     part = _partial(sharded, norm_type, device)
-    dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=shard_dim_mesh().get_group())
+    if tp_group is not None:  # every tp rank takes part, with or without shards
+        tp_part = _partial(tp_grads, norm_type, device)
+        dist.all_reduce(tp_part, op=op, group=tp_group)
+        part = torch.maximum(part, tp_part) if inf else part + tp_part
+    dist.all_reduce(part, op=op, group=shard_dim_mesh().get_group())
     rest = _partial(plain, norm_type, device)
     if inf:
         return torch.maximum(part, rest)

@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.precision.fp16 import LossScaler
-from smp_compat.globalstate import state
+from smp_compat.globalstate import process_group, state
 from smp_compat.sdp import state_dicts as sdp_state
+from smp_compat.sdp import tp
 from smp_compat.sdp.mesh import shard_dim_mesh
 from smp_compat.sdp.norms import clip_by_norm, global_grad_norm
 
@@ -103,16 +104,31 @@ class ShardedOptimizer:
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the (unscaled) gradients to ``max_norm`` by their global norm and return it; -1 on overflow."""
+        self._reduce_plain_backward()
         self._unscale()
         if self.overflow:
             return -1.0
         grads = self._grads()
-        total = global_grad_norm(grads, norm_type)
+        total = self._global_norm(norm_type)
         clip_by_norm(grads, max_norm, total)
         return float(total)
 
+    def _global_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm; under tensor parallelism the tp shards' pieces are summed over the tp group."""
+        if tp.tp_size() == 1:
+            return global_grad_norm(self._grads(), norm_type)
+        replicated, shards = tp.split_tp(p for g in self.optimizer.param_groups for p in g["params"])
+        return global_grad_norm(replicated, norm_type, shards, process_group("tp"))
+
+    def _reduce_plain_backward(self) -> None:
+        """tp > 1 without @smp.step (SMP allowed it at pp = 1): the tp part of the gradient rule, once."""
+        if getattr(self.model, "_plain_forward", False) and tp.tp_size() > 1:
+            self.model._plain_forward = False
+            tp.reduce_tp_gradients(self.model.module.parameters())
+
     def step(self, closure: Any = None) -> Any:
         """Unscale, clip to ``sdp_gradient_clipping`` (0 turns it off), then step; skipped on fp16 overflow."""
+        self._reduce_plain_backward()
         self._unscale()
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
@@ -122,7 +138,7 @@ class ShardedOptimizer:
             return None
         clip = state.cfg.sdp_gradient_clipping
         grads = self._grads()
-        total = global_grad_norm(grads)
+        total = self._global_norm()
         if clip > 0:
             clip_by_norm(grads, clip, total)
         self._norm = total

@@ -3,7 +3,8 @@
 ``model.state_dict()`` gathers real full tensors on every rank (SMP returned placeholders under
 sharded DP); ``local_state_dict()`` returns the sharded form (DTensor values, this rank's shards),
 which is what DCP saves and reshards on load. Keys are the user module's own parameter names, as
-plain PyTorch's; optimizer state is keyed by the same names (DCP's form).
+plain PyTorch's; optimizer state is keyed by the same names (DCP's form). Under tensor parallelism the
+full forms are also gathered over the tp group (and loading a full form cuts each tp rank's slice).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from smp_compat.checkpoints import state_dicts as common
 from smp_compat.errors import CheckpointError
+from smp_compat.sdp.tp import tp_size
 
 __all__ = [
     "full_model_state_dict",
@@ -56,6 +58,10 @@ def _is_sharded(value: Any) -> bool:
 def full_model_state_dict(model: Any, cast_to_cpu: bool = True) -> dict[str, Any]:
     """Every entry as a full tensor on every rank (collective over the data-parallel group)."""
     sd = get_model_state_dict(model.module, options=StateDictOptions(full_state_dict=True))
+    if tp_size() > 1:  # whole over rdp, still this tp rank's slices: gather those over the tp group
+        from smp_compat.nn.state import gather_shards
+
+        sd = dict(gather_shards(model.module, sd))
     return _to_cpu(sd) if cast_to_cpu else sd
 
 
@@ -75,6 +81,10 @@ def load_model_state_dict(
     expected = list(model.module.state_dict().keys())
     sd = dict(common.strip_wrapper_prefix(sd, expected))
     full = not _is_sharded(sd)
+    if full and tp_size() > 1:  # whole tensors are cut to this tp rank's slices first
+        from smp_compat.nn.state import slice_for_rank
+
+        sd = dict(slice_for_rank(model.module, sd))
     result = set_model_state_dict(
         model.module, {k: v for k, v in sd.items()}, options=StateDictOptions(full_state_dict=full, strict=strict)
     )
@@ -82,8 +92,28 @@ def load_model_state_dict(
     return result
 
 
+def _tp_optimizer_state(model: Any, state: Mapping[str, Any], convert: Callable[..., Any]) -> dict[str, Any]:
+    """``state`` with each tp shard's moments passed through ``convert`` (gather or slice, nn/state.py).
+
+    Per state key (``exp_avg``, ...), the entries shaped like their parameter form a name-keyed dict that
+    ``convert`` treats as it treats the model's own (collective over tp for a gather); scalars stay.
+    """
+    out = {name: dict(entry) for name, entry in state.items()}
+    keys = sorted({k for entry in out.values() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim()})
+    for key in keys:
+        column = {n: e[key] for n, e in out.items() if isinstance(e.get(key), torch.Tensor) and e[key].dim()}
+        for name, value in convert(model.module, column).items():
+            out[name][key] = value
+    return out
+
+
 def full_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, cast_to_cpu: bool = True) -> dict[str, Any]:
+    """Whole tensors keyed by parameter name (collective over the job: rdp by FSDP2, then tp)."""
     sd = get_optimizer_state_dict(model.module, optimizer, options=StateDictOptions(full_state_dict=True))
+    if tp_size() > 1:
+        from smp_compat.nn.state import gather_shards
+
+        sd = {**sd, "state": _tp_optimizer_state(model, sd["state"], gather_shards)}
     return _to_cpu(sd) if cast_to_cpu else sd
 
 
@@ -98,6 +128,10 @@ def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, stat
             "or optimizer.local_state_dict() of a sharded job (keys 'state' and 'param_groups')."
         )
     full = not _is_sharded(state_dict["state"])
+    if full and tp_size() > 1:  # whole moments are cut to this tp rank's slices first
+        from smp_compat.nn.state import slice_for_rank
+
+        state_dict = {**state_dict, "state": _tp_optimizer_state(model, state_dict["state"], slice_for_rank)}
     set_optimizer_state_dict(
         model.module, optimizer, dict(state_dict), options=StateDictOptions(full_state_dict=full)
     )

@@ -1,8 +1,9 @@
 """Sharding the model at ``smp.DistributedModel(...)``: one FSDP2 unit per block, root last.
 
 SMP sharded eagerly (scripts build their optimizer's parameter groups right after wrapping), so this
-runs in the DistributedModel constructor. Units are the children of every ``nn.ModuleList`` (the
-transformer blocks of HF and AWS models) or, for a model without one, its direct children. A unit
+runs in the DistributedModel constructor. Units are the children of every ``nn.ModuleList`` and of
+``smp.nn``'s ``seq_layers`` (the transformer blocks of HF, swapped and AWS models) or, for a model
+without either, its direct children. A unit
 that shares a parameter with anything outside it (tied embeddings and heads, ``smp.register_parameter``)
 is left to the root unit, so a shared parameter always lives in one FSDP group (torch >= 2.13 refuses
 otherwise). Delayed-initialization models are materialized one unit at a time and sharded at once,
@@ -22,6 +23,7 @@ from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import process_group, state
 from smp_compat.sdp.mesh import build_mesh
+from smp_compat.sdp.tp import is_tp_shard, restore_tp_marks, tp_marks
 
 __all__ = ["shard_module", "choose_units", "registered_pairs", "register_parameter"]
 
@@ -67,7 +69,8 @@ def choose_units(root: nn.Module) -> list[nn.Module]:
 
 
 def _candidates(root: nn.Module) -> list[nn.Module]:
-    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList)]
+    stacks = _layer_stacks(root)
+    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList) or id(m) in stacks]
     if lists:
         found: list[nn.Module] = []
         for ml in lists:
@@ -75,6 +78,11 @@ def _candidates(root: nn.Module) -> list[nn.Module]:
                 found.extend(c for c in ml if any(True for _ in c.parameters()))
         return found
     return [c for c in root.children() if any(True for _ in c.parameters())]
+
+
+def _layer_stacks(root: nn.Module) -> set[int]:
+    """ids of ``smp.nn.DistributedTransformer.seq_layers`` (an ``nn.Sequential``, as SMP's): its layers are blocks."""
+    return {id(m.seq_layers) for m in root.modules() if isinstance(getattr(m, "seq_layers", None), nn.Sequential)}
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
@@ -109,6 +117,7 @@ def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Mod
     mesh = build_mesh()
     policy = mixed_precision()
     units = choose_units(root)
+    marks = tp_marks(root)
     if not any(t.is_meta for t in root.parameters()):
         root.to(state.device)  # as at pp = 1: the full model on this rank's device until it is sharded
     for unit in units:
@@ -118,6 +127,7 @@ def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Mod
     _prepare(root, [m for m in root.modules() if id(m) not in in_units], broadcast_buffers)
     check_initialized(root)  # now: a load after sharding goes into the shards, which this check cannot see
     fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    restore_tp_marks(root, marks)
     return units
 
 
@@ -132,9 +142,13 @@ def _prepare(root: nn.Module, modules: list[nn.Module], broadcast_buffers: bool)
     if broadcast_buffers:
         own += [b for m in modules for b in m._buffers.values() if b is not None]
     topo = state.topology
-    if topo.dp_size > 1 and own:
-        unique = list({id(t): t for t in own}.values())
-        grads.broadcast_tensors([t.data for t in unique], topo.group("dp", state.rank)[0], process_group("dp"), topo.dp_size)
+    unique = list({id(t): t for t in own}.values())
+    shards = [t.data for t in unique if is_tp_shard(t)]  # each tp rank keeps its own slice: synced over rdp
+    rest = [t.data for t in unique if not is_tp_shard(t)]
+    if topo.dp_size > 1 and rest:
+        grads.broadcast_tensors(rest, topo.group("dp", state.rank)[0], process_group("dp"), topo.dp_size)
+    if topo.rdp_size > 1 and shards:
+        grads.broadcast_tensors(shards, topo.group("rdp", state.rank)[0], process_group("rdp"), topo.rdp_size)
 
 
 def _is_dtensor(t: Any) -> bool:

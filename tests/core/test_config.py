@@ -17,7 +17,8 @@ from smp_compat.config import (
     extract_mp_parameters,
     resolve_config,
 )
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.config.schema import FIELD_BY_KEY
+from smp_compat.errors import SMPConfigError
 
 __all__: list[str] = []
 
@@ -439,15 +440,17 @@ def test_not_acted_on_contents() -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "named"),
+    "params",
     [
-        ({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
+        {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2},
+        {"tensor_parallel_degree": 2, "shard_optimizer_state": True},
+        {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2},
     ],
 )
-def test_combinations_not_implemented_are_refused_naming_them(params: dict[str, Any], named: str) -> None:
-    assert not UNSUPPORTED  # every key's own feature exists; only these combinations are missing
-    with pytest.raises(SMPUnsupportedError, match=named):
-        resolve({"ddp": True, **params})  # raised before the cross-key rules
+def test_tensor_parallel_combinations_are_accepted(params: dict[str, Any]) -> None:
+    assert not UNSUPPORTED  # every key's own feature exists, and so does every combination SMP allowed
+    cfg = resolve({"ddp": True, **params})
+    assert all(getattr(cfg, FIELD_BY_KEY[k]) == v for k, v in params.items())
 
 
 # --- round trip ---------------------------------------------------------------------------------------------

@@ -12,11 +12,6 @@ from smp_compat.errors import SMPConfigError, SMPUnsupportedError
 from smp_compat.testing import run_ranks
 
 
-def test_sdp_with_tp_is_refused_clearly_for_now() -> None:
-    with pytest.raises(SMPUnsupportedError, match="sharded_data_parallel_degree=2 with tensor_parallel_degree=2"):
-        resolve_config({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True}, environ={})
-
-
 @pytest.mark.parametrize(
     ("params", "match"),
     [({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "ddp": True}, "pipeline_parallel_degree"),
