@@ -8,6 +8,10 @@ parameter groups split by weight decay built right after wrapping, ``compute_num
 ``user_content`` and resume, and a full model saved at the end.
 
     smp-compat run --config examples/configs/sdp2.json examples/train_gpt_sdp.py
+    smp-compat run --config examples/configs/tp2_sdp2.json examples/train_gpt_sdp.py   # tp 2 x sdp 2, 4 processes
+
+With ``tensor_parallel_degree`` > 1 the model is created under ``smp.model_creation(tensor_parallelism=True)``,
+as AWS's script does, so GPT-2's blocks become ``smp.nn`` layers sharded over tp and then over sdp.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AWS's get_param_groups_by_weight_decay: no decay for biases and LayerNorm weights."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
-        (no_decay if name.endswith("bias") or ".ln_" in name or name.startswith("ln_") or "ln_f" in name else decay).append(p)
+        norm = ".ln_" in name or name.startswith("ln_") or "ln_f" in name or "layernorm" in name  # HF or smp.nn names
+        (no_decay if name.endswith("bias") or norm else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -96,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if not smp.is_initialized():
         smp.init(DEFAULT_CONFIG if "SM_HP_MP_PARAMETERS" not in os.environ else None)
-    with smp.model_creation():
+    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
         module = make_model()
     model = smp.DistributedModel(module)
     groups = param_groups(model.get_module(), args.weight_decay)  # right after wrapping, as AWS's script
@@ -131,6 +136,8 @@ def main() -> None:
             if args.stop_after_checkpoint:
                 break
     full = model.state_dict()  # real full tensors on every rank (SMP returned placeholders here)
+    if smp.tp_size() > 1:  # smp.nn names -> Hugging Face's, as save_checkpoint(partial=False) writes them
+        full = smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2(full)
     if args.out:
         smp.save_checkpoint(os.path.dirname(os.path.abspath(args.out)), "fullmodel.pt", partial=False, model=model)
     if args.out and smp.rank() == 0:

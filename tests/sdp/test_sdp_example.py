@@ -16,6 +16,7 @@ from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
 
 SCRIPT = ROOT / "examples" / "train_gpt_sdp.py"
 CONFIG = ROOT / "examples" / "configs" / "sdp2.json"
+TP_CONFIG = ROOT / "examples" / "configs" / "tp2_sdp2.json"
 STEPS, GLOBAL_BATCH = 6, 8
 PARAM_ATOL = 5e-5
 """GPT-2's key bias (c_attn.bias[n_embd:2*n_embd]) has a true gradient of 0 (softmax ignores a per-key constant),
@@ -50,8 +51,8 @@ def _reference() -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _launch(tmp_path: Path, *extra: str) -> None:
-    cmd = [*smp_compat_command(), "run", "--master-port", str(free_port()), "--config", str(CONFIG), str(SCRIPT),
+def _launch(tmp_path: Path, *extra: str, config: Path = CONFIG) -> None:
+    cmd = [*smp_compat_command(), "run", "--master-port", str(free_port()), "--config", str(config), str(SCRIPT),
            "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), *extra]  # fmt: skip
     run_all([(cmd, clean_env())], tmp_path)
 
@@ -80,3 +81,18 @@ def test_gpt_sdp_example_matches_plain_pytorch_and_resumes_bitwise(tmp_path: Pat
     assert second["losses"] == result["losses"][3:]
     for name, value in result["params"].items():
         assert torch.equal(second["params"][name], value), name
+
+
+def test_gpt_sdp_example_at_tp2_sdp2_matches_plain_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same script with tensor_parallel_degree 2 (GPT-2 swapped under model_creation, then sharded over sdp)."""
+    monkeypatch.setattr(launching, "TIMEOUT_S", 300)
+    _launch(tmp_path, "--out", str(tmp_path / "result.pt"), config=TP_CONFIG)
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    ref = _reference()
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6)
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
+    full = torch.load(tmp_path / "fullmodel.pt", weights_only=True)  # translate_if_full: Hugging Face names
+    assert set(result["params"]) <= set(full)
+    assert all(torch.equal(full[k], v) for k, v in result["params"].items())
