@@ -29,6 +29,7 @@ from smp_compat.errors import (
     StepUsageError,
 )
 from smp_compat.globalstate import process_group, state
+from smp_compat.nn.queries import TensorParallelQueries
 from smp_compat.stepping import grads
 from smp_compat.stepping.step import active_call, current_microbatch, in_step, is_tracing
 
@@ -37,7 +38,7 @@ __all__ = ["DistributedModel"]
 Hook = Callable[[Any, Any], None]
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(TensorParallelQueries, nn.Module):
     """SMP's model wrapper; ``model.module`` / ``get_module()`` is the user's module."""
 
     def __init__(
@@ -339,36 +340,6 @@ class DistributedModel(nn.Module):
                 return name
         raise KeyError("this parameter does not belong to the DistributedModel")
 
-    # Tensor parallelism: shards of smp.nn modules are the distributed, scaled-batch parameters (nn/grads.py).
-    def distributed_modules(self) -> list[nn.Module]:
-        """Outermost smp.nn.DistributedModule instances (swapped in, or built by the user)."""
-        from smp_compat.nn.swap import distributed_modules
-
-        if self.__dict__.get("_tp_modules_cache") is None:
-            self.__dict__["_tp_modules_cache"] = distributed_modules(self.module)
-        return list(self.__dict__["_tp_modules_cache"])
-
-    def is_distributed_parameter(self, param: nn.Parameter) -> bool:
-        return _is_shard(param)
-
-    def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
-        return _is_shard(buf)
-
-    def is_scaled_batch_parameter(self, param: nn.Parameter) -> bool:
-        """Shards see their tp group's whole batch (SMP: "operates on the scaled batch")."""
-        return _is_shard(param)
-
-    def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
-        return _is_shard(buf)
-
-    def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters averaged over the DP group."""
-        return ((n, p) for n, p in self.local_named_parameters() if not _is_shard(p))
-
-    def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters reduced over the RDP group (tensor-parallel shards)."""
-        return ((n, p) for n, p in self.local_named_parameters() if _is_shard(p))
-
     def cpu(self) -> DistributedModel:
         raise SMPUnsupportedError("DistributedModel.cpu() (gathering a partitioned model onto the CPU)")
 
@@ -425,10 +396,6 @@ class DistributedModel(nn.Module):
 
             return load_model_state_dict(self, state_dict, strict, translate_function)
         return state_dicts.load_model_state(self, state_dict, strict, translate_function, same_partition_load)
-
-
-def _is_shard(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "_smp_tp_dim")
 
 
 def _swap_for_tensor_parallelism(module: nn.Module) -> nn.Module:
