@@ -1,0 +1,290 @@
+"""Issue 12 "everything else composes": the tensor-parallel features that were each tested alone, combined.
+
+Each cell runs in one small world against plain single-process PyTorch on the global batch (fp32, ~1e-5):
+pp x tp x rdp with sharded AdamW state (and bf16 + clip_master_grads: sharded equals unsharded bitwise), GPT-J and
+GPT-NeoX at pp = 2 x tp = 2, a pp x tp checkpoint merged and re-cut for other degrees by the CLI and resumed there,
+and activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch in one job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import transformers  # the test extra installs it: these tests must run, not skip
+
+import tp_models as tm
+from smp_compat.testing import run_ranks
+
+PP2_TP2 = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 2,
+           "pipeline": "interleaved", "auto_partition": False, "default_partition": 0}  # fmt: skip
+STEPS = 4
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    # eps above float noise: the attention key bias's true gradient is 0 (see test_tp_pipeline.py)
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.01)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)  # momentum: the optimizer state matters on resume
+
+
+def _tiny_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return tm.lm_loss(model(ids), ids)
+
+
+def _place_tiny(smp: Any, model: Any) -> None:
+    smp.set_partition(model.get_module().transformer.seq_layers[1], 1)
+    smp.set_partition(model.get_module().proj, 1)
+
+
+def _run(smp: Any, model: Any, opt: Any, loss_fn: Callable, steps: range, clip: float | None = None) -> dict:
+    """Train ``steps`` of the shared global batches; losses (and clip norms) per step."""
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, ids)
+        model.backward(loss)
+        return loss
+
+    data, losses, norms = tm.batches(STEPS), {}, []
+    for step in steps:
+        opt.zero_grad()
+        losses[step] = train_step(tm.my_samples(smp, data[step])).reduce_mean().item()
+        if clip is not None:
+            norms.append(float(opt.clip_master_grads(clip)))
+        opt.step()
+    return {"losses": losses, "norms": norms, "coords": (smp.pp_rank(), smp.tp_rank(), smp.rdp_rank()),
+            "local": {n: p.detach().clone() for n, p in model.local_named_parameters()}}  # fmt: skip
+
+
+def _mean_losses(results: list[dict], steps: range) -> torch.Tensor:
+    return torch.tensor([[r["losses"][s] for s in steps] for r in results]).mean(dim=0)
+
+
+def _assert_close_dict(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == ref.keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# 1. pp = 2 x tp = 2 x rdp = 2 with shard_optimizer_state ------------------------------------------------------
+
+
+def _pp_tp_rdp(precision: str, shard: bool) -> dict:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    smp.init({**PP2_TP2, "shard_optimizer_state": shard, **({precision: True} if half else {})})
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=half):
+        net = tm.TinySmpLM(smp.nn)
+    model = smp.DistributedModel(net)
+    _place_tiny(smp, model)
+    opt = smp.DistributedOptimizer(_adamw(model.parameters()))
+    out = _run(smp, model, opt, _tiny_loss, range(STEPS), clip=0.3 if half else None)
+    out["state"] = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    out["held"] = sum(p.numel() for p in model.local_parameters())
+    out["full"] = {k: v.clone() for k, v in model.state_dict().items()} if not half else {}
+    return out
+
+
+def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch() -> None:
+    import smp_compat as smp
+
+    results = run_ranks(_pp_tp_rdp, 8, "fp32", True, timeout=300)
+    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS, make_opt=_adamw)
+    assert sorted(r["coords"] for r in results) == [(p, t, d) for p in (0, 1) for t in (0, 1) for d in (0, 1)]
+    torch.testing.assert_close(_mean_losses(results, range(STEPS)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    full = [r["full"] for r in results if r["full"]]
+    assert len(full) == 4  # pp_rank 0 of every (tp, rdp) pair (gather_to_rank0)
+    for f in full:
+        _assert_close_dict(f, ref_params)
+    by_shard: dict[tuple[int, int], list[dict]] = {}
+    for r in results:
+        by_shard.setdefault(r["coords"][:2], []).append(r)
+    for (pp, tp), (a, b) in by_shard.items():  # rdp replicas identical; Adam's moments split between them
+        assert a["local"].keys() == b["local"].keys() and a["local"]
+        assert all(torch.equal(a["local"][n], b["local"][n]) for n in a["local"]), (pp, tp)
+        assert a["state"] + b["state"] == 2 * a["held"] and 0 < a["state"] < 2 * a["held"], (a["state"], a["held"])
+
+
+def test_pp2_tp2_rdp2_sharded_bf16_with_clipping_equals_unsharded_bitwise() -> None:
+    sharded = run_ranks(_pp_tp_rdp, 8, "bf16", True, timeout=300)
+    plain = run_ranks(_pp_tp_rdp, 8, "bf16", False, timeout=300)
+    assert min(plain[0]["norms"]) > 0.3  # clipping changes every step: a share-only norm would clip differently
+    for s, p in zip(sharded, plain):
+        assert s["coords"] == p["coords"]
+        assert s["losses"] == p["losses"] and s["norms"] == p["norms"] == plain[0]["norms"]
+        for name, value in s["local"].items():
+            assert torch.equal(value, p["local"][name]), f"{s['coords']} {name}: sharded differs from unsharded"
+
+
+# 2. GPT-J and GPT-NeoX at pp = 2 x tp = 2 ---------------------------------------------------------------------
+
+
+def _gptj() -> torch.nn.Module:
+    config = transformers.GPTJConfig(
+        vocab_size=tm.VOCAB, n_positions=4 * tm.SEQ, n_embd=tm.HIDDEN, n_layer=2, n_head=2, rotary_dim=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return transformers.GPTJForCausalLM(config)
+
+
+def _gptneox() -> torch.nn.Module:
+    config = transformers.GPTNeoXConfig(
+        vocab_size=tm.VOCAB, max_position_embeddings=4 * tm.SEQ, hidden_size=tm.HIDDEN, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=24, rotary_pct=1.0, use_parallel_residual=True,
+        tie_word_embeddings=True, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def _hf_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Right padding on some samples and per-sample position ids, chosen by content (the same on any split)."""
+    mask = torch.ones_like(ids)
+    mask[ids[:, 0] % 3 == 0, -2:] = 0
+    positions = torch.arange(ids.shape[1]) * (1 + ids[:, :1] % 3)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=ids).loss
+
+
+def _hf_pp_tp(kind: str, prescaled: bool) -> dict:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({**PP2_TP2, "prescaled_batch": prescaled})
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        hf = _gptj() if kind == "gptj" else _gptneox()
+    model = smp.DistributedModel(hf)
+    inner = model.get_module()
+    if kind == "gptj":  # the untied head, with the final LayerNorm, on stage 1
+        for module in (inner.transformer.seq_layers[1], inner.transformer.ln_f, inner.lm_head):
+            smp.set_partition(module, 1)
+    else:  # the head tied to embed_in stays with it on stage 0: stage 0 -> 1 -> 0
+        smp.set_partition(inner.gpt_neox.seq_layers[1], 1)
+        smp.set_partition(inner.gpt_neox.final_layer_norm, 1)
+    opt = smp.DistributedOptimizer(_adamw(model.parameters()))
+    out = _run(smp, model, opt, _hf_loss, range(3))
+    translate = getattr(smp.nn.huggingface, kind).__dict__[f"translate_state_dict_to_hf_{kind}"]
+    full = model.state_dict()
+    out["hf"] = translate(full) if full else {}
+    out["tied"] = kind == "gptneox" and inner.lm_head.weight is inner.gpt_neox.embed_in.weight
+    return out
+
+
+@pytest.mark.parametrize(("kind", "prescaled"), [("gptj", False), ("gptneox", True)])
+def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool) -> None:
+    build = _gptj if kind == "gptj" else _gptneox
+    results = run_ranks(_hf_pp_tp, 4, kind, prescaled, timeout=240)
+    ref_losses, ref_params = tm.reference(build, steps=3, loss_fn=_hf_loss, make_opt=_adamw)
+    torch.testing.assert_close(_mean_losses(results, range(3)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    stage1 = {r["coords"][1]: set(r["local"]) for r in results if r["coords"][0] == 1}
+    assert stage1[0] == stage1[1] and all(".seq_layers.1." in n or "ln_f" in n or "final_layer_norm" in n
+                                          or n.startswith("lm_head") for n in stage1[0])  # fmt: skip
+    full = [r for r in results if r["hf"]]
+    assert len(full) == 2  # pp_rank 0 of each tp rank
+    for r in full:
+        assert r["tied"] == (kind == "gptneox")
+        build().load_state_dict(r["hf"], strict=True)
+        _assert_close_dict({k: r["hf"][k] for k in ref_params}, ref_params)
+
+
+# 3. pp x tp checkpoint -> merge -> split for other degrees -> resume ------------------------------------------
+
+
+def _ckpt_job(pp: int, tp: int, steps: range, resume: tuple[str, str] | None, save: str | None) -> dict:
+    """TinySmpLM at pp x tp (stage 1: seq_layers[1] and proj), SGD with momentum; saves after step 1."""
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({**PP2_TP2, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(tm.TinySmpLM(smp.nn))
+    if pp > 1:
+        _place_tiny(smp, model)
+    opt = smp.DistributedOptimizer(_sgd(model.parameters()))
+    if resume is not None:
+        smp.resume_from_checkpoint(resume[0], tag=resume[1])
+    out = _run(smp, model, opt, _tiny_loss, steps[:2] if save else steps)
+    if save:
+        smp.save_checkpoint(save, "s1", model=model, optimizer=opt)
+        out["saved"] = {k: v.clone() for k, v in model.state_dict().items()}
+        later = _run(smp, model, opt, _tiny_loss, steps[2:])
+        out["losses"].update(later["losses"])
+    out["full"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_pp2_tp2_checkpoint_merged_and_recut_resumes_at_other_degrees(tmp_path: Path) -> None:
+    from smp_compat.cli import main
+
+    root = tmp_path / "job"
+    straight = run_ranks(_ckpt_job, 4, 2, 2, range(STEPS), None, str(root), timeout=240)
+    model_file, optim_file = tmp_path / "model.pt", tmp_path / "optim.pt"
+    assert main(["checkpoint", "merge", str(root), "-o", str(model_file), "--optimizer-output", str(optim_file)]) == 0
+    merged = torch.load(model_file, weights_only=True)
+    saved = next(r["saved"] for r in straight if r["saved"])
+    assert merged.keys() == saved.keys()  # the job's full model.state_dict() (pipeline parts: stage by stage)
+    assert all(torch.equal(merged[k], v) for k, v in saved.items())
+    tables = [torch.load(root / "s1_partial" / f"model_{pp}_{tp}.pt", weights_only=True)["_smp_load_info"]["tp_shards"]
+              for pp in (0, 1) for tp in (0, 1)]  # fmt: skip
+    assert all(t == tables[0] for t in tables)  # every part records every stage's shards, with whole shapes
+    assert {k: v["shape"] for k, v in tables[0].items()} == {k: list(saved[k].shape) for k in tables[0]}
+    tp_only, pp_only = tmp_path / "pp1_tp2", tmp_path / "pp2_tp1"
+    assert main(["checkpoint", "split", str(model_file), "--pp", "1", "--tp", "2", "--like", str(root),
+                 "--optimizer", str(optim_file), "-o", str(tp_only), "--tag", "r"]) == 0  # fmt: skip
+    assert main(["checkpoint", "split", str(root), "--pp", "2", "--tp", "1", "--plan", str(root),
+                 "-o", str(pp_only), "--tag", "r"]) == 0  # fmt: skip
+    later = range(2, STEPS)
+    final = next(r["full"] for r in straight if r["full"])
+    for pp, tp, directory in ((1, 2, tp_only), (2, 1, pp_only)):
+        resumed = run_ranks(_ckpt_job, 2, pp, tp, later, (str(directory), "r"), None, timeout=180)
+        torch.testing.assert_close(_mean_losses(resumed, later), _mean_losses(straight, later), rtol=1e-5, atol=1e-6)
+        _assert_close_dict(next(r["full"] for r in resumed if r["full"]), final)
+
+
+# 4. activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch, at pp = 2 x tp = 2 ----
+
+
+def _everything(initial: dict[str, torch.Tensor]) -> dict:
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({**PP2_TP2, "microbatches": 4, "prescaled_batch": True, "delayed_parameter_initialization": True})
+    with smp.model_creation():
+        net = tm.TinySmpLM(smp.nn)
+    all_meta = all(p.is_meta for p in net.parameters())
+    model = smp.DistributedModel(net)
+    _place_tiny(smp, model)
+    layers = model.get_module().transformer.seq_layers
+    smp.set_activation_checkpointing(layers[0])  # a whole layer on stage 0
+    smp.set_activation_checkpointing(layers[1].output)  # a layer's part on stage 1
+    model.load_state_dict(initial)  # delayed init, then a full checkpoint: waits for partitioning, then cut
+    opt = smp.DistributedOptimizer(_sgd(model.parameters()))
+    out = _run(smp, model, opt, _tiny_loss, range(STEPS))
+    out["all_meta"] = all_meta
+    out["held"] = sum(p.numel() for p in net.parameters() if not p.is_meta)
+    out["full"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2() -> None:
+    import smp_compat as smp
+
+    torch.manual_seed(0)
+    initial = tm.TinySmpLM(smp.nn).state_dict()
+    total = sum(v.numel() for v in initial.values())
+    results = run_ranks(_everything, 4, initial, timeout=240)
+    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS)
+    torch.testing.assert_close(_mean_losses(results, range(STEPS)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    full = [r["full"] for r in results if r["full"]]
+    assert len(full) == 2
+    for f in full:
+        _assert_close_dict(f, ref_params)
+    for r in results:  # each rank materialized only its stage's parameters, and of those only its shards
+        assert r["all_meta"] and r["held"] == sum(v.numel() for v in r["local"].values()) < total / 2
+    assert sum(r["held"] for r in results) < 2 * total  # the 2 tp ranks together hold less than two copies
