@@ -75,7 +75,7 @@ def _assert_close_dict(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
 # 1. pp = 2 x tp = 2 x rdp = 2 with shard_optimizer_state ------------------------------------------------------
 
 
-def _pp_tp_rdp(precision: str, shard: bool) -> dict:
+def _pp_tp_rdp(precision: str, shard: bool, directory: str | None = None) -> dict:
     import smp_compat as smp
 
     torch.set_num_threads(1)
@@ -91,14 +91,19 @@ def _pp_tp_rdp(precision: str, shard: bool) -> dict:
     out["state"] = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     out["held"] = sum(p.numel() for p in model.local_parameters())
     out["full"] = {k: v.clone() for k, v in model.state_dict().items()} if not half else {}
+    if directory is not None:  # optimizer parts _{pp}_{tp}_{rdp}, each an rdp share of its (stage, tp shard)
+        smp.save_checkpoint(directory, "s", model=model, optimizer=opt)  # (a full opt.state_dict() is refused)
     return out
 
 
-def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch() -> None:
+def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(tmp_path: Path) -> None:
     import smp_compat as smp
+    from smp_compat.cli import main
 
-    results = run_ranks(_pp_tp_rdp, 8, "fp32", True, timeout=300)
-    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS, make_opt=_adamw)
+    results = run_ranks(_pp_tp_rdp, 8, "fp32", True, str(tmp_path), timeout=300)
+    ref_opt: list[torch.optim.Optimizer] = []
+    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS,
+                                          make_opt=lambda ps: ref_opt.append(_adamw(ps)) or ref_opt[0])  # fmt: skip
     assert sorted(r["coords"] for r in results) == [(p, t, d) for p in (0, 1) for t in (0, 1) for d in (0, 1)]
     torch.testing.assert_close(_mean_losses(results, range(STEPS)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     full = [r["full"] for r in results if r["full"]]
@@ -112,14 +117,27 @@ def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch() -> None:
         assert a["local"].keys() == b["local"].keys() and a["local"]
         assert all(torch.equal(a["local"][n], b["local"][n]) for n in a["local"]), (pp, tp)
         assert a["state"] + b["state"] == 2 * a["held"] and 0 < a["state"] < 2 * a["held"], (a["state"], a["held"])
+    # the Adam moments of the whole model: the CLI joins the rdp shares, tp shards and stages of the parts
+    assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "m.pt"),
+                 "--optimizer-output", str(tmp_path / "o.pt")]) == 0  # fmt: skip
+    names = list(ref_params)  # TinySmpLM has no buffers: its parameters in creation order
+    expected = {names[i]: s for i, s in ref_opt[0].state_dict()["state"].items()}
+    merged = torch.load(tmp_path / "o.pt", weights_only=True)
+    by_name = {merged["_smp_param_names"][i]: s for i, s in merged["state"].items()}
+    assert by_name.keys() == expected.keys()
+    for name, moments in expected.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(by_name[name][key], moments[key], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name} {key}: {m}")  # fmt: skip
 
 
-def test_pp2_tp2_rdp2_sharded_bf16_with_clipping_equals_unsharded_bitwise() -> None:
-    sharded = run_ranks(_pp_tp_rdp, 8, "bf16", True, timeout=300)
-    plain = run_ranks(_pp_tp_rdp, 8, "bf16", False, timeout=300)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pp2_tp2_rdp2_sharded_half_with_clipping_equals_unsharded_bitwise(precision: str) -> None:
+    sharded = run_ranks(_pp_tp_rdp, 8, precision, True, timeout=300)
+    plain = run_ranks(_pp_tp_rdp, 8, precision, False, timeout=300)
     assert min(plain[0]["norms"]) > 0.3  # clipping changes every step: a share-only norm would clip differently
     for s, p in zip(sharded, plain):
-        assert s["coords"] == p["coords"]
+        assert s["coords"] == p["coords"] and 0 < s["state"] < p["state"]  # the sharded run really split the state
         assert s["losses"] == p["losses"] and s["norms"] == p["norms"] == plain[0]["norms"]
         for name, value in s["local"].items():
             assert torch.equal(value, p["local"][name]), f"{s['coords']} {name}: sharded differs from unsharded"
@@ -176,7 +194,8 @@ def _hf_pp_tp(kind: str, prescaled: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("kind", "prescaled"), [("gptj", False), ("gptneox", True)])
+@pytest.mark.parametrize("prescaled", [False, True])
+@pytest.mark.parametrize("kind", ["gptj", "gptneox"])
 def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool) -> None:
     build = _gptj if kind == "gptj" else _gptneox
     results = run_ranks(_hf_pp_tp, 4, kind, prescaled, timeout=240)
