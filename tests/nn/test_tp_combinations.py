@@ -51,7 +51,7 @@ def _run(smp: Any, model: Any, opt: Any, loss_fn: Callable, steps: range, clip: 
         model.backward(loss)
         return loss
 
-    data, losses, norms = tm.batches(STEPS), {}, []
+    data, losses, norms = tm.batches(max(steps, default=0) + 1), {}, []
     for step in steps:
         opt.zero_grad()
         losses[step] = train_step(tm.my_samples(smp, data[step])).reduce_mean().item()
@@ -75,19 +75,25 @@ def _assert_close_dict(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
 # 1. pp = 2 x tp = 2 x rdp = 2 with shard_optimizer_state ------------------------------------------------------
 
 
-def _pp_tp_rdp(precision: str, shard: bool, directory: str | None = None) -> dict:
+def _pp_tp_rdp(precision: str, shard: bool, directory: str | None = None, pp: int = 2, resume: str | None = None) -> dict:
+    """Trains steps 0-3 (saving tag "s" after them into ``directory``), or resumes ``resume`` and trains 4-5."""
     import smp_compat as smp
 
     torch.set_num_threads(1)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    smp.init({**PP2_TP2, "shard_optimizer_state": shard, **({precision: True} if half else {})})
+    smp.init({**PP2_TP2, "pipeline_parallel_degree": pp, "shard_optimizer_state": shard,
+              **({precision: True} if half else {})})  # fmt: skip
     torch.manual_seed(0)
     with smp.model_creation(dtype=half):
         net = tm.TinySmpLM(smp.nn)
     model = smp.DistributedModel(net)
-    _place_tiny(smp, model)
+    if pp > 1:
+        _place_tiny(smp, model)
     opt = smp.DistributedOptimizer(_adamw(model.parameters()))
-    out = _run(smp, model, opt, _tiny_loss, range(STEPS), clip=0.3 if half else None)
+    if resume is not None:
+        smp.resume_from_checkpoint(resume)
+    steps = range(STEPS, STEPS + 2) if resume else range(STEPS)
+    out = _run(smp, model, opt, _tiny_loss, steps, clip=0.3 if half else None)
     out["state"] = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     out["held"] = sum(p.numel() for p in model.local_parameters())
     out["full"] = {k: v.clone() for k, v in model.state_dict().items()} if not half else {}
@@ -129,6 +135,24 @@ def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(tmp_path: Path) -> Non
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(by_name[name][key], moments[key], rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"{name} {key}: {m}")  # fmt: skip
+
+
+def test_sharded_pp2_tp2_rdp2_checkpoint_resumes_at_its_degrees_and_recut_for_pp1(tmp_path: Path) -> None:
+    """The sharded job's checkpoint resumed as it is (8 ranks), and re-cut by the CLI for pp = 1 x tp = 2 x rdp = 2
+    (4 ranks, still sharded): both continue exactly like plain AdamW over all six steps."""
+    import smp_compat as smp
+    from smp_compat.cli import main
+
+    run_ranks(_pp_tp_rdp, 8, "fp32", True, str(tmp_path / "job"), timeout=300)
+    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS + 2, make_opt=_adamw)
+    assert main(["checkpoint", "split", str(tmp_path / "job"), "--pp", "1", "--tp", "2",
+                 "-o", str(tmp_path / "pp1"), "--tag", "r"]) == 0  # fmt: skip
+    for world, pp, directory in ((8, 2, tmp_path / "job"), (4, 1, tmp_path / "pp1")):
+        resumed = run_ranks(_pp_tp_rdp, world, "fp32", True, None, pp, str(directory), timeout=300)
+        later = range(STEPS, STEPS + 2)
+        torch.testing.assert_close(_mean_losses(resumed, later), torch.tensor(ref_losses[STEPS:]), rtol=1e-5, atol=1e-6)
+        for f in (r["full"] for r in resumed if r["full"]):
+            _assert_close_dict(f, ref_params)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -307,3 +331,51 @@ def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2
     for r in results:  # each rank materialized only its stage's parameters, and of those only its shards
         assert r["all_meta"] and r["held"] == sum(v.numel() for v in r["local"].values()) < total / 2
     assert sum(r["held"] for r in results) < 2 * total  # the 2 tp ranks together hold less than two copies
+
+
+def _bf16_ckpt(pp: int, tp: int, directory: str, resume: bool) -> dict:
+    """bf16 TinySmpLM at pp x tp: two steps then save_checkpoint (tag "s"), or resume tag "r"; its fp32 masters."""
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({**PP2_TP2, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "bf16": True})
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=torch.bfloat16):
+        net = tm.TinySmpLM(smp.nn)
+    model = smp.DistributedModel(net)
+    if pp > 1:
+        _place_tiny(smp, model)
+    opt = smp.DistributedOptimizer(_adamw(model.parameters()))
+    if resume:
+        smp.resume_from_checkpoint(directory, tag="r")
+        with torch.no_grad():
+            model(tm.my_samples(smp, tm.batches(1)[0]))  # partitions: the resume is applied
+    else:
+        _run(smp, model, opt, _tiny_loss, range(2))
+        smp.save_checkpoint(directory, "s", model=model, optimizer=opt)
+    return {"masters": opt.local_fp16_state_dict()["fp32_master_params"], "adam": opt.state_dict()["state"],
+            "names": [n for n, _ in model.local_named_parameters()]}  # fmt: skip
+
+
+def test_bf16_pp2_tp2_checkpoint_recut_for_one_rank_keeps_masters_and_adam_state(tmp_path: Path) -> None:
+    from smp_compat.checkpoints import convert
+    from smp_compat.checkpoints.fp16_reshard import merge_fp16_states
+    from smp_compat.cli import main
+
+    run_ranks(_bf16_ckpt, 4, 2, 2, str(tmp_path / "job"), False, timeout=240)
+    layout = convert.detect_layout(tmp_path / "job")
+    table = convert.merge_model_with_shards(layout)[1]
+    whole = merge_fp16_states(tmp_path / "job" / "s_partial", table)["fp32_master_params"]
+    adam = convert.merge_optimizer(layout)
+    assert main(["checkpoint", "split", str(tmp_path / "job"), "--pp", "1", "--tp", "1",
+                 "-o", str(tmp_path / "one"), "--tag", "r"]) == 0  # fmt: skip
+    resumed = run_ranks(_bf16_ckpt, 1, 1, 1, str(tmp_path / "one"), True, timeout=180)[0]
+    assert sorted(resumed["masters"]) == sorted(whole) == sorted(resumed["names"])  # both stages' masters, whole
+    for name, value in whole.items():
+        assert name not in table or list(value.shape) == table[name]["shape"], name
+        assert torch.equal(resumed["masters"][name], value), name  # exact: not re-made from the bf16 weights
+    by_name = {adam["_smp_param_names"][i]: s for i, s in adam["state"].items()}
+    assert len(resumed["adam"]) == len(by_name) == len(whole)
+    for i, name in enumerate(resumed["names"]):
+        for key, value in by_name[name].items():
+            assert torch.equal(resumed["adam"][i][key], value), (name, key)
