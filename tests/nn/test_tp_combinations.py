@@ -193,7 +193,7 @@ def _hf_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=ids).loss
 
 
-def _hf_pp_tp(kind: str, prescaled: bool) -> dict:
+def _hf_pp_tp(kind: str, prescaled: bool, directory: str) -> dict:
     import smp_compat as smp
 
     torch.set_num_threads(1)
@@ -215,14 +215,18 @@ def _hf_pp_tp(kind: str, prescaled: bool) -> dict:
     full = model.state_dict()
     out["hf"] = translate(full) if full else {}
     out["tied"] = kind == "gptneox" and inner.lm_head.weight is inner.gpt_neox.embed_in.weight
+    smp.save_checkpoint(directory, "s", model=model, optimizer=opt)  # merged below into a stock HF dict
     return out
 
 
 @pytest.mark.parametrize("prescaled", [False, True])
 @pytest.mark.parametrize("kind", ["gptj", "gptneox"])
-def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool) -> None:
+def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from smp_compat.cli import main
+
     build = _gptj if kind == "gptj" else _gptneox
-    results = run_ranks(_hf_pp_tp, 4, kind, prescaled, timeout=240)
+    results = run_ranks(_hf_pp_tp, 4, kind, prescaled, str(tmp_path), timeout=240)
     ref_losses, ref_params = tm.reference(build, steps=3, loss_fn=_hf_loss, make_opt=_adamw)
     torch.testing.assert_close(_mean_losses(results, range(3)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     stage1 = {r["coords"][1]: set(r["local"]) for r in results if r["coords"][0] == 1}
@@ -234,6 +238,15 @@ def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool) 
         assert r["tied"] == (kind == "gptneox")
         build().load_state_dict(r["hf"], strict=True)
         _assert_close_dict({k: r["hf"][k] for k in ref_params}, ref_params)
+    heads = ["--num-attention-heads", "2"] if kind == "gptneox" else []  # offline: no swapped model to ask
+    if heads:
+        assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "x.pt"), "--translate", "hf-gptneox"]) == 2
+        assert "--num-attention-heads" in capsys.readouterr().err
+    assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "hf.pt"), "--translate", f"hf-{kind}",
+                 *heads]) == 0  # the job's pp x tp parts, joined and under stock names  # fmt: skip
+    merged = torch.load(tmp_path / "hf.pt", weights_only=True)
+    build().load_state_dict(merged, strict=True)
+    assert all(torch.equal(merged[k], v) for k, v in full[0]["hf"].items())
 
 
 # 3. pp x tp checkpoint -> merge -> split for other degrees -> resume ------------------------------------------
