@@ -303,14 +303,15 @@ def test_pp2_tp2_checkpoint_merged_and_recut_resumes_at_other_degrees(tmp_path: 
         _assert_close_dict(next(r["full"] for r in resumed if r["full"]), final)
 
 
-# 4. activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch, at pp = 2 x tp = 2 ----
+# 4. activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch, at pp = 2 x tp = 2 (x rdp)
 
 
-def _everything(initial: dict[str, torch.Tensor]) -> dict:
+def _everything(initial: dict[str, torch.Tensor], rdp: int) -> dict:
     import smp_compat as smp
 
     torch.set_num_threads(1)
-    smp.init({**PP2_TP2, "microbatches": 4, "prescaled_batch": True, "delayed_parameter_initialization": True})
+    smp.init({**PP2_TP2, "microbatches": 4, "prescaled_batch": True, "delayed_parameter_initialization": True,
+              "shard_optimizer_state": rdp > 1})  # fmt: skip
     with smp.model_creation():
         net = tm.TinySmpLM(smp.nn)
     all_meta = all(p.is_meta for p in net.parameters())
@@ -320,7 +321,7 @@ def _everything(initial: dict[str, torch.Tensor]) -> dict:
     smp.set_activation_checkpointing(layers[0])  # a whole layer on stage 0
     smp.set_activation_checkpointing(layers[1].output)  # a layer's part on stage 1
     model.load_state_dict(initial)  # delayed init, then a full checkpoint: waits for partitioning, then cut
-    opt = smp.DistributedOptimizer(_sgd(model.parameters()))
+    opt = smp.DistributedOptimizer(_adamw(model.parameters()))
     out = _run(smp, model, opt, _tiny_loss, range(STEPS))
     out["all_meta"] = all_meta
     out["held"] = sum(p.numel() for p in net.parameters() if not p.is_meta)
@@ -328,22 +329,24 @@ def _everything(initial: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2() -> None:
+@pytest.mark.parametrize("rdp", [1, 2])
+def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2(rdp: int) -> None:
+    """rdp = 2 adds sharded AdamW state on top (8 ranks): every feature of this file in one job."""
     import smp_compat as smp
 
     torch.manual_seed(0)
     initial = tm.TinySmpLM(smp.nn).state_dict()
     total = sum(v.numel() for v in initial.values())
-    results = run_ranks(_everything, 4, initial, timeout=240)
-    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS)
+    results = run_ranks(_everything, 4 * rdp, initial, rdp, timeout=300)
+    ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS, make_opt=_adamw)
     torch.testing.assert_close(_mean_losses(results, range(STEPS)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     full = [r["full"] for r in results if r["full"]]
-    assert len(full) == 2
+    assert len(full) == 2 * rdp
     for f in full:
         _assert_close_dict(f, ref_params)
     for r in results:  # each rank materialized only its stage's parameters, and of those only its shards
         assert r["all_meta"] and r["held"] == sum(v.numel() for v in r["local"].values()) < total / 2
-    assert sum(r["held"] for r in results) < 2 * total  # the 2 tp ranks together hold less than two copies
+    assert sum(r["held"] for r in results) < 2 * rdp * total  # a tp pair holds less than two copies
 
 
 def _bf16_ckpt(pp: int, tp: int, directory: str, resume: bool) -> dict:
