@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="write the merged dict of a swapped Hugging Face model under stock HF names")
     merge.add_argument("--max-seq-len", type=int, help="with --translate: add HF's causal-mask buffers of this size")
     merge.add_argument("--num-attention-heads", type=int,
-                       help="with --translate hf-gptneox: the model's head count (its fused q|k|v is laid out per head)")
+                       help="with --translate hf-gptneox: the model's head count (its q|k|v rows are per head)")
     split = sub.add_parser("split", help="split a state dict (or re-cut a partial checkpoint) for --pp x --tp ranks")
     split.add_argument("source", help="a plain PyTorch state-dict file (or one holding it under --key), or a partial "
                        "checkpoint (folder, save_checkpoint directory with --source-tag, smp.save base) to re-cut")

@@ -75,7 +75,8 @@ def _assert_close_dict(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
 # 1. pp = 2 x tp = 2 x rdp = 2 with shard_optimizer_state ------------------------------------------------------
 
 
-def _pp_tp_rdp(precision: str, shard: bool, directory: str | None = None, pp: int = 2, resume: str | None = None) -> dict:
+def _pp_tp_rdp(precision: str, shard: bool, directory: str | None = None, pp: int = 2,
+               resume: str | None = None) -> dict:  # fmt: skip
     """Trains steps 0-3 (saving tag "s" after them into ``directory``), or resumes ``resume`` and trains 4-5."""
     import smp_compat as smp
 
@@ -102,11 +103,18 @@ def _pp_tp_rdp(precision: str, shard: bool, directory: str | None = None, pp: in
     return out
 
 
-def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The fp32 sharded pp = 2 x tp = 2 x rdp = 2 job (steps 0-3, then its checkpoint), shared by two tests."""
+    root = tmp_path_factory.mktemp("sharded")
+    return root, run_ranks(_pp_tp_rdp, 8, "fp32", True, str(root), timeout=300)
+
+
+def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(sharded_run: tuple[Path, list[dict]], tmp_path: Path) -> None:
     import smp_compat as smp
     from smp_compat.cli import main
 
-    results = run_ranks(_pp_tp_rdp, 8, "fp32", True, str(tmp_path), timeout=300)
+    root, results = sharded_run
     ref_opt: list[torch.optim.Optimizer] = []
     ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS,
                                           make_opt=lambda ps: ref_opt.append(_adamw(ps)) or ref_opt[0])  # fmt: skip
@@ -124,7 +132,7 @@ def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(tmp_path: Path) -> Non
         assert all(torch.equal(a["local"][n], b["local"][n]) for n in a["local"]), (pp, tp)
         assert a["state"] + b["state"] == 2 * a["held"] and 0 < a["state"] < 2 * a["held"], (a["state"], a["held"])
     # the Adam moments of the whole model: the CLI joins the rdp shares, tp shards and stages of the parts
-    assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "m.pt"),
+    assert main(["checkpoint", "merge", str(root), "-o", str(tmp_path / "m.pt"),
                  "--optimizer-output", str(tmp_path / "o.pt")]) == 0  # fmt: skip
     names = list(ref_params)  # TinySmpLM has no buffers: its parameters in creation order
     expected = {names[i]: s for i, s in ref_opt[0].state_dict()["state"].items()}
@@ -137,17 +145,19 @@ def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(tmp_path: Path) -> Non
                                        msg=lambda m: f"{name} {key}: {m}")  # fmt: skip
 
 
-def test_sharded_pp2_tp2_rdp2_checkpoint_resumes_at_its_degrees_and_recut_for_pp1(tmp_path: Path) -> None:
+def test_sharded_pp2_tp2_rdp2_checkpoint_resumes_at_its_degrees_and_recut_for_pp1(
+    sharded_run: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
     """The sharded job's checkpoint resumed as it is (8 ranks), and re-cut by the CLI for pp = 1 x tp = 2 x rdp = 2
     (4 ranks, still sharded): both continue exactly like plain AdamW over all six steps."""
     import smp_compat as smp
     from smp_compat.cli import main
 
-    run_ranks(_pp_tp_rdp, 8, "fp32", True, str(tmp_path / "job"), timeout=300)
+    root = sharded_run[0]
     ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS + 2, make_opt=_adamw)
-    assert main(["checkpoint", "split", str(tmp_path / "job"), "--pp", "1", "--tp", "2",
+    assert main(["checkpoint", "split", str(root), "--pp", "1", "--tp", "2",
                  "-o", str(tmp_path / "pp1"), "--tag", "r"]) == 0  # fmt: skip
-    for world, pp, directory in ((8, 2, tmp_path / "job"), (4, 1, tmp_path / "pp1")):
+    for world, pp, directory in ((8, 2, root), (4, 1, tmp_path / "pp1")):
         resumed = run_ranks(_pp_tp_rdp, world, "fp32", True, None, pp, str(directory), timeout=300)
         later = range(STEPS, STEPS + 2)
         torch.testing.assert_close(_mean_losses(resumed, later), torch.tensor(ref_losses[STEPS:]), rtol=1e-5, atol=1e-6)
@@ -181,7 +191,8 @@ def _gptneox() -> torch.nn.Module:
     config = transformers.GPTNeoXConfig(
         vocab_size=tm.VOCAB, max_position_embeddings=4 * tm.SEQ, hidden_size=tm.HIDDEN, num_hidden_layers=2,
         num_attention_heads=2, intermediate_size=24, rotary_pct=1.0, use_parallel_residual=True,
-        tie_word_embeddings=True, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        tie_word_embeddings=True, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+        eos_token_id=0)  # fmt: skip
     return transformers.GPTNeoXForCausalLM(config)
 
 
@@ -240,7 +251,8 @@ def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool, 
         _assert_close_dict({k: r["hf"][k] for k in ref_params}, ref_params)
     heads = ["--num-attention-heads", "2"] if kind == "gptneox" else []  # offline: no swapped model to ask
     if heads:
-        assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "x.pt"), "--translate", "hf-gptneox"]) == 2
+        no_heads = ["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "x.pt"), "--translate", "hf-gptneox"]
+        assert main(no_heads) == 2
         assert "--num-attention-heads" in capsys.readouterr().err
     assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "hf.pt"), "--translate", f"hf-{kind}",
                  *heads]) == 0  # the job's pp x tp parts, joined and under stock names  # fmt: skip
