@@ -318,7 +318,7 @@ def test_pp2_tp2_checkpoint_merged_and_recut_resumes_at_other_degrees(tmp_path: 
 # 4. activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch, at pp = 2 x tp = 2 (x rdp)
 
 
-def _everything(initial: dict[str, torch.Tensor], rdp: int) -> dict:
+def _everything(initial: dict[str, torch.Tensor], rdp: int, directory: str) -> dict:
     import smp_compat as smp
 
     torch.set_num_threads(1)
@@ -338,18 +338,20 @@ def _everything(initial: dict[str, torch.Tensor], rdp: int) -> dict:
     out["all_meta"] = all_meta
     out["held"] = sum(p.numel() for p in net.parameters() if not p.is_meta)
     out["full"] = {k: v.clone() for k, v in model.state_dict().items()}
+    smp.save_checkpoint(directory, "s", model=model, optimizer=opt)
     return out
 
 
 @pytest.mark.parametrize("rdp", [1, 2])
-def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2(rdp: int) -> None:
+def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2(rdp: int, tmp_path: Path) -> None:
     """rdp = 2 adds sharded AdamW state on top (8 ranks): every feature of this file in one job."""
     import smp_compat as smp
+    from smp_compat.cli import main
 
     torch.manual_seed(0)
     initial = tm.TinySmpLM(smp.nn).state_dict()
     total = sum(v.numel() for v in initial.values())
-    results = run_ranks(_everything, 4 * rdp, initial, rdp, timeout=300)
+    results = run_ranks(_everything, 4 * rdp, initial, rdp, str(tmp_path), timeout=300)
     ref_losses, ref_params = tm.reference(lambda: tm.TinySmpLM(smp.nn), steps=STEPS, make_opt=_adamw)
     torch.testing.assert_close(_mean_losses(results, range(STEPS)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     full = [r["full"] for r in results if r["full"]]
@@ -359,6 +361,9 @@ def test_activation_checkpointing_delayed_init_microbatches_prescaled_at_pp2_tp2
     for r in results:  # each rank materialized only its stage's parameters, and of those only its shards
         assert r["all_meta"] and r["held"] == sum(v.numel() for v in r["local"].values()) < total / 2
     assert sum(r["held"] for r in results) < 2 * rdp * total  # a tp pair holds less than two copies
+    assert main(["checkpoint", "merge", str(tmp_path), "-o", str(tmp_path / "m.pt")]) == 0
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert merged.keys() == full[0].keys() and all(torch.equal(merged[k], v) for k, v in full[0].items())
 
 
 def _bf16_ckpt(pp: int, tp: int, directory: str, resume: bool) -> dict:
