@@ -137,6 +137,7 @@ def test_pp2_tp2_rdp2_sharded_adamw_matches_plain_pytorch(sharded_run: tuple[Pat
     names = list(ref_params)  # TinySmpLM has no buffers: its parameters in creation order
     expected = {names[i]: s for i, s in ref_opt[0].state_dict()["state"].items()}
     merged = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert merged["_smp_param_names"] == names  # torch's index order too: it loads into the plain AdamW as it is
     by_name = {merged["_smp_param_names"][i]: s for i, s in merged["state"].items()}
     assert by_name.keys() == expected.keys()
     for name, moments in expected.items():
