@@ -1,15 +1,18 @@
 """Issue 12 "everything else composes": the tensor-parallel features that were each tested alone, combined.
 
 Each cell runs in one small world against plain single-process PyTorch on the global batch (fp32, ~1e-5):
-pp x tp x rdp with sharded AdamW state (and bf16 + clip_master_grads: sharded equals unsharded bitwise), GPT-J and
-GPT-NeoX at pp = 2 x tp = 2, a pp x tp checkpoint merged and re-cut for other degrees by the CLI and resumed there,
-and activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch in one job.
+1. pp x tp x rdp with sharded AdamW state (fp16/bf16 + clip_master_grads: sharded equals unsharded bitwise), its
+   checkpoint merged (Adam moments equal plain AdamW's), resumed as it is and re-cut for pp = 1;
+2. GPT-J and GPT-NeoX at pp = 2 x tp = 2 in both batch modes, their parts merged into stock HF dicts by the CLI;
+3. a pp x tp checkpoint merged and re-cut for other degrees by the CLI and resumed there (fp32; bf16 masters too);
+4. activation checkpointing + delayed initialization + 4 microbatches + prescaled_batch (+ sharded state) in one job.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
