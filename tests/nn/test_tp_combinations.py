@@ -181,6 +181,52 @@ def test_pp2_tp2_rdp2_sharded_half_with_clipping_equals_unsharded_bitwise(precis
             assert torch.equal(value, p["local"][name]), f"{s['coords']} {name}: sharded differs from unsharded"
 
 
+def _grad_scaler(inject_at: int) -> dict:
+    """autocast + smp.amp.GradScaler at pp = 2 x tp = 2 x rdp = 2, sharded; an inf in one rank's shard only."""
+    import smp_compat as smp
+
+    torch.set_num_threads(1)
+    smp.init({**PP2_TP2, "shard_optimizer_state": True})
+    torch.manual_seed(0)
+    net = tm.TinySmpLM(smp.nn)
+    model = smp.DistributedModel(net)
+    _place_tiny(smp, model)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = smp.amp.GradScaler()
+    step = [0]
+    if (smp.pp_rank(), smp.tp_rank(), smp.rdp_rank()) == (1, 1, 0):  # the other replica owns it (share) or not
+        net.proj.weight.register_hook(lambda g: g * float("inf") if step[0] == inject_at else g)
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = tm.lm_loss(model(ids).float(), ids)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    scales, unchanged = [], []
+    for step[0], ids in enumerate(tm.batches(3)):
+        opt.zero_grad()
+        train_step(tm.my_samples(smp, ids))
+        before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        unchanged.append(all(torch.equal(before[n], p) for n, p in model.local_named_parameters()))
+    local = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return {"scales": scales, "unchanged": unchanged, "local": local, "coords": (smp.pp_rank(), smp.tp_rank())}
+
+
+def test_grad_scaler_overflow_in_one_shard_skips_the_step_on_all_eight_ranks() -> None:
+    results = run_ranks(_grad_scaler, 8, 1, timeout=300)
+    for r in results:
+        assert r["unchanged"] == [False, True, False] and r["scales"] == results[0]["scales"]
+        assert r["scales"][1] == r["scales"][0] / 2
+    for coords in {r["coords"] for r in results}:  # the rdp replicas stay identical
+        a, b = (r["local"] for r in results if r["coords"] == coords)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 # 2. GPT-J and GPT-NeoX at pp = 2 x tp = 2 ---------------------------------------------------------------------
 
 
