@@ -93,14 +93,32 @@ def optimizer_local_state_dict(optimizer: torch.optim.Optimizer, original_state_
     """Torch's dict with the state of this rank's parameters only, marked partial, with parameter names.
 
     The names (one per torch index) let the state find its parameters again after a restart or
-    under another partition, and let the parts be merged into one plain dict.
+    under another partition, and let the parts be merged into one plain dict. Indices and groups are the
+    user's optimizer's even where sharding or fp16 masters changed this rank's groups: every part then
+    describes the same optimizer, so merged parts keep the user's parameter order and group membership.
     """
     sd = dict(original_state_dict())
     names, mine = _current_params(optimizer)
     sd["state"] = {i: s for i, s in sd["state"].items() if i in mine}
     sd[PARTIAL_KEY] = True
     sd[PARAM_NAMES_KEY] = names
+    flat = list(chain.from_iterable(_full_groups(optimizer)))
+    index = {n: i for i, n in enumerate(flat)}
+    if names != flat and len(index) == len(flat) and all(names[i] in index for i in sd["state"]):
+        sd["state"] = {index[names[i]]: s for i, s in sd["state"].items()}
+        sd["param_groups"] = _user_groups(optimizer)
+        sd[PARAM_NAMES_KEY] = flat
     return sd
+
+
+def _user_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups as the user built them (torch's indices over all parameters), hyperparameters from now."""
+    groups, start = [], 0
+    for names, group in zip(_full_groups(optimizer), optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k not in _GROUP_LIST_KEYS}
+        groups.append({**hyper, "params": list(range(start, start + len(names)))})
+        start += len(names)
+    return groups
 
 
 def _by_name(sd: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
@@ -118,14 +136,8 @@ def _by_name(sd: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
 
 def _plain_dict(optimizer: torch.optim.Optimizer, states: Mapping[str, Any]) -> dict:
     """Plain torch format over the parameters as the user grouped them; hyperparameters from this rank."""
-    full = _full_groups(optimizer)
-    flat = list(chain.from_iterable(full))
-    groups, start = [], 0
-    for names, group in zip(full, optimizer.param_groups):
-        hyper = {k: v for k, v in group.items() if k not in _GROUP_LIST_KEYS}
-        groups.append({**hyper, "params": list(range(start, start + len(names)))})
-        start += len(names)
-    return {"state": {i: states[n] for i, n in enumerate(flat) if n in states}, "param_groups": groups}
+    flat = list(chain.from_iterable(_full_groups(optimizer)))
+    return {"state": {i: states[n] for i, n in enumerate(flat) if n in states}, "param_groups": _user_groups(optimizer)}
 
 
 def optimizer_state_dict(
@@ -143,7 +155,7 @@ def optimizer_state_dict(
     if not pipelined(model) and names == list(chain.from_iterable(_full_groups(optimizer))):
         return original_state_dict()
     local = optimizer_local_state_dict(optimizer, original_state_dict)
-    named = {names[i]: to_cpu(s) for i, s in local["state"].items()}
+    named = {local[PARAM_NAMES_KEY][i]: to_cpu(s) for i, s in local["state"].items()}
     parts = gather(named, to_root=gather_to_rank0)
     if parts is None:
         return {}

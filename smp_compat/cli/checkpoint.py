@@ -17,6 +17,8 @@ _TRANSLATIONS = {
     "hf-gpt2": "gpt2.translate_state_dict_to_hf_gpt2",
     "hf-gptneo": "gptneo.translate_state_dict_to_hf_gptneo",
     "hf-bert": "bert.translate_state_dict_to_hf_bert",
+    "hf-gptj": "gptj.translate_state_dict_to_hf_gptj",
+    "hf-gptneox": "gptneox.translate_state_dict_to_hf_gptneox",
 }
 """``merge --translate``: SMP's translate functions of the swapped Hugging Face models, by module."""
 
@@ -63,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--translate", choices=sorted(_TRANSLATIONS),
                        help="write the merged dict of a swapped Hugging Face model under stock HF names")
     merge.add_argument("--max-seq-len", type=int, help="with --translate: add HF's causal-mask buffers of this size")
+    merge.add_argument("--num-attention-heads", type=int,
+                       help="with --translate hf-gptneox: the model's head count (its q|k|v rows are per head)")
     split = sub.add_parser("split", help="split a state dict (or re-cut a partial checkpoint) for --pp x --tp ranks")
     split.add_argument("source", help="a plain PyTorch state-dict file (or one holding it under --key), or a partial "
                        "checkpoint (folder, save_checkpoint directory with --source-tag, smp.save base) to re-cut")
@@ -89,13 +93,19 @@ def _source_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unsafe", action="store_true", help="unpickle arbitrary objects (trusted files only)")
 
 
-def _translate(sd: dict, name: str, max_seq_len: int | None) -> dict:
+def _translate(sd: dict, ns: argparse.Namespace) -> dict:
     """SMP's translate function for the swapped model (imported only when asked: it needs torch.nn modules)."""
     import importlib
 
-    module, function = _TRANSLATIONS[name].split(".")
+    extra = {}
+    if ns.translate == "hf-gptneox":  # offline, no swapped model to take the head count from
+        if ns.num_attention_heads is None:
+            raise CheckpointError("--translate hf-gptneox needs --num-attention-heads (the fused query_key_value "
+                                  "rows are laid out per head)")  # fmt: skip
+        extra["num_attention_heads"] = ns.num_attention_heads
+    module, function = _TRANSLATIONS[ns.translate].split(".")
     translate = getattr(importlib.import_module(f"smp_compat.nn.huggingface.{module}"), function)
-    return translate(sd, max_seq_len=max_seq_len)
+    return translate(sd, max_seq_len=ns.max_seq_len, **extra)
 
 
 def checkpoint_command(argv: list[str]) -> int:
@@ -189,7 +199,7 @@ def _merge_sharded(ns: argparse.Namespace, folder: Path) -> int:
 
     model_sd, optimizer_sd = merge_sharded(folder)
     if ns.translate:
-        model_sd = _translate(model_sd, ns.translate, ns.max_seq_len)
+        model_sd = _translate(model_sd, ns)
     atomic_save(model_sd, ns.output)
     print(f"wrote {ns.output}: {len(model_sd)} tensors from sharded checkpoint {folder} (DCP)")
     if ns.optimizer_output:
@@ -207,7 +217,7 @@ def _merge(ns: argparse.Namespace) -> int:
     layout = convert.detect_layout(ns.source, ns.tag)
     merged = convert.merge_model(layout, ns.key, ns.strip_prefix, ns.unsafe)
     if ns.translate:
-        merged = _translate(merged, ns.translate, ns.max_seq_len)
+        merged = _translate(merged, ns)
     atomic_save(merged, ns.output)
     tensors = sum(1 for v in merged.values() if isinstance(v, torch.Tensor))
     shards = f" x {layout.tp_size} tensor-parallel part(s)" if layout.tp_size > 1 else ""

@@ -2,7 +2,9 @@
 
 Every distributed parameter is created full-size from the global RNG on every rank, then sliced
 (SMP >= 1.15), so a tp run starts from exactly the weights a tp = 1 run gets with the same seed.
-A shard remembers the dimension it was cut along (``_smp_tp_dim``) so state dicts can gather it.
+A shard remembers the dimension it was cut along (``_smp_tp_dim``) so state dicts can gather it, and the
+whole tensor's shape (``_smp_tp_shape``), which a checkpoint's shard record needs even where the pipeline
+stage holding the parameter is another rank's (its local tensor is then empty).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def shard(full: torch.Tensor, dim: int, blocks: int = 1) -> nn.Parameter:
     param = nn.Parameter(local.detach().clone().contiguous())
     param._smp_tp_dim = dim  # type: ignore[attr-defined]
     param._smp_tp_blocks = blocks  # type: ignore[attr-defined]
+    param._smp_tp_shape = tuple(full.shape)  # type: ignore[attr-defined]
     return param
 
 

@@ -27,15 +27,20 @@ def shard_layout(module: nn.Module) -> dict[str, dict[str, Any]]:
     Saved in every partial model part (``_smp_load_info["tp_shards"]``) so that an offline tool can
     merge or re-cut the parts at another tp degree without knowing the modules (tp_register'ed ones too).
     """
-    n = comm.tp_world()
     out = {}
     for name, p in shard_names(module).items():
-        dim = p._smp_tp_dim
-        shape = list(p.shape)
-        if shape:
-            shape[dim] *= n
-        out[name] = {"dim": dim, "blocks": p._smp_tp_blocks, "shape": shape}
+        out[name] = {"dim": p._smp_tp_dim, "blocks": p._smp_tp_blocks, "shape": _whole_shape(p)}
     return out
+
+
+def _whole_shape(p: torch.Tensor) -> list[int]:
+    """The shape the shards join to, as recorded when cut: a parameter of another pipeline stage is empty here."""
+    recorded = getattr(p, "_smp_tp_shape", None)
+    if recorded is not None:
+        return list(recorded)
+    shape = list(p.shape)  # a shard made without ``shard()``: only its local shape tells
+    shape[p._smp_tp_dim] *= comm.tp_world()
+    return shape
 
 
 def _gather_one(local: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
