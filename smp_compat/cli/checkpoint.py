@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from smp_compat.checkpoints import convert, folders, state_dicts, tp_reshard
+from smp_compat.checkpoints import convert, cutting, folders, state_dicts, tp_reshard
 from smp_compat.errors import CheckpointError
 from smp_compat.checkpoints.serialization import atomic_save
 
@@ -258,18 +258,18 @@ def _split(ns: argparse.Namespace) -> int:
     from smp_compat.checkpoints.fp16_reshard import split_fp16_states
 
     sd, table, optimizer, fp16 = _split_source(ns)
-    plan = convert.read_plan(ns.plan) if ns.plan else None
-    parts = convert.split_model(sd, ns.pp, plan)
-    owners = convert.module_owners(state_dicts.strip_markers(sd), ns.pp, plan)
+    plan = cutting.read_plan(ns.plan) if ns.plan else None
+    parts = cutting.split_model(sd, ns.pp, plan)
+    owners = cutting.module_owners(state_dicts.strip_markers(sd), ns.pp, plan)
     grid, optimizer_grid = tp_reshard.split_grid(parts, ns.tp, table, optimizer, owners)
     fp16_grid = split_fp16_states(fp16, ns.pp, ns.tp, table, owners) if fp16 is not None else None
     if ns.layout == "save":
         if optimizer_grid or fp16_grid:
             print("note: --layout save writes the model parts only; the optimizer state is not split")
-        paths = convert.write_save_parts(grid, ns.output)
+        paths = cutting.write_save_parts(grid, ns.output)
         print(f"wrote {len(paths)} smp.save part(s): {', '.join(str(p) for p in paths)} (smp.load({ns.output!r}))")
         return 0
-    folder = convert.write_checkpoint_parts(grid, ns.output, ns.tag, plan, optimizer_grid, fp16_grid)
+    folder = cutting.write_checkpoint_parts(grid, ns.output, ns.tag, plan, optimizer_grid, fp16_grid)
     with_optimizer = "model and optimizer" if optimizer_grid else "model only"
     with_optimizer += ", fp32 masters" if fp16_grid else ""
     print(f"wrote {folder} ({with_optimizer}) for pipeline_parallel_degree={ns.pp}, tensor_parallel_degree={ns.tp}: "

@@ -12,7 +12,7 @@ import torch
 
 import smp_compat as smp
 from models import causal_mask, lm_loss, make_batches, make_model
-from smp_compat.checkpoints import convert
+from smp_compat.checkpoints import convert, cutting
 from smp_compat.cli import main
 from smp_compat.errors import CheckpointError
 from smp_compat.testing import run_ranks
@@ -238,10 +238,10 @@ def test_split_by_plan_balanced_and_as_smp_save_parts(tmp_path: Path) -> None:
     sd = make_model().state_dict()
     plan = {"assignment": {"embed": 0, "": 0, "head": 0, "blocks.0.ln1": 1}, "pp_size": 2, "method": "manual"}
     with pytest.raises(CheckpointError, match="places no module"):
-        convert.split_model(sd, 2, plan)
+        cutting.split_model(sd, 2, plan)
     with pytest.raises(CheckpointError, match="positive int"):
-        convert.split_model(sd, 0)
-    parts = convert.split_model(sd, 3)
+        cutting.split_model(sd, 0)
+    parts = cutting.split_model(sd, 3)
     assert [p["_smp_load_info"]["pipeline_parallel_degree"] for p in parts] == [3, 3, 3]
     keys = [[k for k in p if not k.startswith("_smp")] for p in parts]
     assert all(keys) and sum(len(k) for k in keys) == len(sd)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smp_compat.checkpoints import convert, tp_reshard
+from smp_compat.checkpoints import cutting, tp_reshard
 from smp_compat.cli import main
 from smp_compat.errors import CheckpointError
 
@@ -40,10 +40,10 @@ def _adam(full: dict[str, torch.Tensor]) -> dict:
 
 
 def _write(full: dict, optimizer: dict, pp: int, tp: int, root: Path) -> Path:
-    parts = convert.split_model(full, pp)
-    owners = convert.module_owners(full, pp, None)
+    parts = cutting.split_model(full, pp)
+    owners = cutting.module_owners(full, pp, None)
     grid, optimizer_grid = tp_reshard.split_grid(parts, tp, TABLE, optimizer, owners)
-    return convert.write_checkpoint_parts(grid, root, "t", None, optimizer_grid)
+    return cutting.write_checkpoint_parts(grid, root, "t", None, optimizer_grid)
 
 
 @pytest.mark.parametrize(("pp", "tp"), [(2, 2), (1, 4), (2, 1)])

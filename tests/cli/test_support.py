@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import smp_compat
-from smp_compat.cli import support
+from smp_compat.cli import support, support_docs
 from smp_compat.config import NOT_ACTED_ON, SMP_KEYS, UNSUPPORTED
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.cli.support import API, CONFIG, METHODS, Status
@@ -149,7 +149,7 @@ def test_config_value_status_depends_on_the_value() -> None:
 
 def test_docs_page_is_generated_from_the_registry() -> None:
     page = (ROOT / "docs" / "api_support.md").read_text(encoding="utf-8")
-    assert page == support.markdown(), (
+    assert page == support_docs.markdown(), (
         "docs/api_support.md is stale: run `python -m smp_compat.cli.support --markdown > docs/api_support.md`"
     )
 
