@@ -14,11 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp_compat.checkpoints.pp_gather import allgather_pp, gather
 from smp_compat.checkpoints.state_dicts import (
     PARAM_NAMES_KEY,
     PARTIAL_KEY,
-    allgather_pp,
-    gather,
     is_partial,
     pipelined,
     to_cpu,

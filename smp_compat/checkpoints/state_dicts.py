@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
 from smp_compat.errors import CheckpointError
-from smp_compat.globalstate import process_group, state
-from smp_compat.comm import all_gather_objects, object_to_tensor, tensor_to_object
+from smp_compat.checkpoints.pp_gather import allgather_pp, gather, my_pp_rank
+from smp_compat.globalstate import state
 
 __all__ = [
     "PARTIAL_KEY",
@@ -29,9 +28,7 @@ __all__ = [
     "PARAM_NAMES_KEY",
     "MARKER_KEYS",
     "PendingModelLoad",
-    "allgather_pp",
     "apply_model_load",
-    "gather",
     "is_partial",
     "strip_markers",
     "strip_wrapper_prefix",
@@ -49,7 +46,6 @@ LOAD_INFO_KEY = "_smp_load_info"
 PARAM_NAMES_KEY = "_smp_param_names"
 MARKER_KEYS = (PARTIAL_KEY, LOAD_INFO_KEY, PARAM_NAMES_KEY)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/SMP wrappers; torch.compile's OptimizedModule
-_P2P_TAG = 0x5D1C
 
 
 # ---------------------------------------------------------------------- dict helpers
@@ -136,55 +132,6 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-# ---------------------------------------------------------------------- pipeline-group communication
-def _pp_members() -> list[int]:
-    """Global ranks of this rank's pipeline group, in pp_rank order."""
-    return state.topology.get_pp_group(state.rank)
-
-
-def _my_pp_rank() -> int:
-    return state.topology.coords(state.rank).pp_rank
-
-
-def _object_device() -> torch.device:
-    return state.device if state.backend == "nccl" else torch.device("cpu")
-
-
-def allgather_pp(obj: Any) -> list[Any]:
-    """Every pipeline rank's ``obj``, indexed by pp_rank."""
-    members = _pp_members()
-    if len(members) == 1:
-        return [obj]
-    gathered = all_gather_objects(obj, process_group("pp"), len(members), _object_device())
-    by_rank = dict(zip(sorted(members), gathered))
-    return [by_rank[r] for r in members]
-
-
-def _gather_pp_root(obj: Any) -> list[Any] | None:
-    """Every pipeline rank's ``obj`` on pp_rank 0 (indexed by pp_rank); None elsewhere."""
-    members = _pp_members()
-    if len(members) == 1:
-        return [obj]
-    group, device = process_group("pp"), _object_device()
-    if state.rank != members[0]:
-        payload = object_to_tensor(obj, device)
-        dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), members[0], group, _P2P_TAG)
-        dist.send(payload, members[0], group, _P2P_TAG)
-        return None
-    out = [obj]
-    for src in members[1:]:
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(length, src, group, _P2P_TAG)
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-        dist.recv(payload, src, group, _P2P_TAG)
-        out.append(tensor_to_object(payload))
-    return out
-
-
-def gather(obj: Any, to_root: bool) -> list[Any] | None:
-    return _gather_pp_root(obj) if to_root else allgather_pp(obj)
-
-
 def pipelined(model: Any) -> bool:
     """True once the model is partitioned over more than one pipeline rank (tensors spread out)."""
     return getattr(model, "pipeline_engine", None) is not None
@@ -249,7 +196,7 @@ def model_state_dict(
         from smp_compat.nn.state import gather_shards
 
         entries = gather_shards(model.module, entries)
-    if gather_to_rank0 and state.topology.pp_size > 1 and _my_pp_rank() != 0:
+    if gather_to_rank0 and state.topology.pp_size > 1 and my_pp_rank() != 0:
         if pipelined(model):
             gather(_owned_entries(model, entries), to_root=True)
         return OrderedDict() if destination is None else destination
@@ -283,7 +230,7 @@ def _cast(value: Any, cast_to_cpu: bool, keep_vars: bool) -> Any:
 def _owned_entries(model: Any, entries: Mapping[str, Any]) -> OrderedDict:
     """The entries this pipeline rank holds, on the CPU (for sending to the gathering rank)."""
     owners = _key_owners(model, entries)
-    me = _my_pp_rank()
+    me = my_pp_rank()
     return OrderedDict((k, to_cpu(v)) for k, v in entries.items() if owners[k] == me)
 
 
@@ -292,7 +239,7 @@ def model_local_state_dict(model: Any, destination: Any = None, prefix: str = ""
     entries = model.module.state_dict(keep_vars=keep_vars)
     if pipelined(model):
         owners = _key_owners(model, entries)
-        me = _my_pp_rank()
+        me = my_pp_rank()
         local = OrderedDict(
             (k, v) for k, v in entries.items() if owners[k] == me or not isinstance(v, torch.Tensor)
         )
@@ -388,7 +335,7 @@ def _load_now(model: Any, entries: Mapping[str, Any], strict: bool, fill_non_loc
     if pipelined(model):
         current = model.module.state_dict(keep_vars=True)
         owners = _key_owners(model, current)
-        me = _my_pp_rank()
+        me = my_pp_rank()
         for key, value in current.items():
             if owners[key] == me or not isinstance(value, torch.Tensor):
                 continue
