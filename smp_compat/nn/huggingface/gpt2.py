@@ -178,12 +178,19 @@ def translate_state_dict_to_hf_gpt2(
     causal-mask buffers (``attn.bias``, ``attn.masked_bias``) that Hugging Face versions before 4.32 kept."""
     out = _translate(state_dict, "seq_layers.", "h.", _smp_block_to_hf)
     if max_seq_len is not None:
-        for key in [k for k in out if k.endswith(".attn.c_attn.weight")]:
-            base = key[: -len("c_attn.weight")]
-            causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool))
-            out[base + "bias"] = causal.view(1, 1, max_seq_len, max_seq_len)
-            out[base + "masked_bias"] = torch.tensor(-1e4)
+        add_causal_mask_buffers(out, ".attn.c_attn.weight", max_seq_len, -1e4)
     return out
+
+
+def add_causal_mask_buffers(out: dict[str, Any], weight_suffix: str, max_seq_len: int, masked_bias: float) -> None:
+    """Old Hugging Face attention modules' ``bias`` (causal mask) and ``masked_bias`` buffers, next to each
+    attention whose weight ends in ``weight_suffix``: what a translation with ``max_seq_len`` recreates."""
+    causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
+    cut = len(weight_suffix.rsplit(".", 2)[-2]) + len(".weight")
+    for key in [k for k in out if k.endswith(weight_suffix)]:
+        base = key[:-cut]
+        out[base + "bias"] = causal.clone()
+        out[base + "masked_bias"] = torch.tensor(masked_bias)
 
 
 def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:

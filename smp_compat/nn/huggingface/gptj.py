@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp_compat.nn.huggingface.gpt2 import _translate
+from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.rotary_blocks import (
     RotaryEmbedding, additive_mask, build_layers, check_overrides, layer_options, refuse_unsupported)  # fmt: skip
 from smp_compat.nn.module import KERNEL_FLAGS, DistributedModule, shard
@@ -125,11 +125,7 @@ def translate_state_dict_to_hf_gptj(
     (``attn.bias``, ``attn.masked_bias``) that Hugging Face's GPT-J kept before 4.27 (SMP 1.8 ran on 4.17)."""
     out = _translate(state_dict, "seq_layers.", "h.", lambda sd: {hf: sd[ours] for hf, ours in _NAMES})
     if max_seq_len is not None:
-        for key in [k for k in out if k.endswith(".attn.q_proj.weight")]:
-            base = key[: -len("q_proj.weight")]
-            causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool))
-            out[base + "bias"] = causal.view(1, 1, max_seq_len, max_seq_len)
-            out[base + "masked_bias"] = torch.tensor(-1e9)
+        add_causal_mask_buffers(out, ".attn.q_proj.weight", max_seq_len, -1e9)
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp_compat.nn.huggingface.gpt2 import _translate
+from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.gptj import _copy_block
 from smp_compat.nn.huggingface.rotary_blocks import (
     RotaryEmbedding, additive_mask, build_layers, check_overrides, layer_options, refuse_unsupported)  # fmt: skip
@@ -168,11 +168,7 @@ def translate_state_dict_to_hf_gptneox(
     heads = _heads_of(num_attention_heads)
     out = _translate(state_dict, "seq_layers.", "layers.", lambda sd: _smp_layer_to_hf(sd, heads))
     if max_seq_len is not None:
-        for key in [k for k in out if k.endswith(".attention.query_key_value.weight")]:
-            base = key[: -len("query_key_value.weight")]
-            causal = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool))
-            out[base + "bias"] = causal.view(1, 1, max_seq_len, max_seq_len)
-            out[base + "masked_bias"] = torch.tensor(-1e9)
+        add_causal_mask_buffers(out, ".attention.query_key_value.weight", max_seq_len, -1e9)
     return out
 
 
