@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +59,24 @@ def reference(
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(smp: Any, model: Any, opt: Any, loss_of: Callable[[Any, torch.Tensor], torch.Tensor]) -> list[float]:
+    """The tp jobs' loop over ``batches()``: ``@smp.step`` around ``loss_of(model, ids)``, this rank's samples,
+    the loss averaged over microbatches per step."""
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(model, ids)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for ids in batches():
+        opt.zero_grad()
+        losses.append(train_step(my_samples(smp, ids)).reduce_mean().item())
+        opt.step()
+    return losses
 
 
 def my_samples(smp: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -42,17 +42,7 @@ def _train(kind: str, prescaled: bool) -> dict:
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     encoder = getattr(model.get_module(), kind).encoder
 
-    @smp.step
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model, ids)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for ids in tm.batches():
-        opt.zero_grad()
-        losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
-        opt.step()
+    losses = tm.train(smp, model, opt, _loss)
     translate = getattr(smp.nn.huggingface, kind)
     to_hf = translate.translate_state_dict_to_hf_bert if kind == "bert" else translate.translate_state_dict_to_hf_roberta
     return {"losses": losses, "hf": to_hf(model.state_dict()), "swapped": hasattr(encoder, "seq_layers")}

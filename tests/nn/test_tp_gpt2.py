@@ -42,17 +42,7 @@ def _train(tp: int, prescaled: bool) -> dict:
     inner = model.get_module()
     paths_ok = all(hasattr(layer, "attention") and hasattr(layer, "output") for layer in inner.transformer.seq_layers)
 
-    @smp.step
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = _hf_loss(model, ids)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for ids in tm.batches():
-        opt.zero_grad()
-        losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
-        opt.step()
+    losses = tm.train(smp, model, opt, _hf_loss)
     return {
         "losses": losses, "hf": translate_state_dict_to_hf_gpt2(model.state_dict()), "paths_ok": paths_ok,
         "kind": type(inner.transformer).__mro__[1].__name__, "tied": inner.lm_head.weight is inner.transformer.wte.weight,
@@ -194,17 +184,7 @@ def _block_hooks() -> dict:
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     kinds = [type(b).__name__ for b in model.get_module().transformer.h]
 
-    @smp.step
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = _hf_loss(model, ids)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for ids in tm.batches():
-        opt.zero_grad()
-        losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
-        opt.step()
+    losses = tm.train(smp, model, opt, _hf_loss)
     return {"losses": losses, "kinds": kinds}
 
 

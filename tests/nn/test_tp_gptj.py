@@ -47,17 +47,7 @@ def _train(prescaled: bool) -> dict:
     opt = smp.DistributedOptimizer(_adamw(model.parameters()))
     inner = model.get_module()
 
-    @smp.step
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model, ids)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for ids in tm.batches():
-        opt.zero_grad()
-        losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
-        opt.step()
+    losses = tm.train(smp, model, opt, _loss)
     mine = tm.my_samples(smp, tm.batches(1)[0])
     with torch.no_grad():
         logits = model(**_inputs(mine)).logits

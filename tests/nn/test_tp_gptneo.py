@@ -36,17 +36,7 @@ def _train(prescaled: bool) -> dict:
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     windows = [layer.attention.math.window_size for layer in model.get_module().transformer.seq_layers]
 
-    @smp.step
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model, ids)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for ids in tm.batches():
-        opt.zero_grad()
-        losses.append(train_step(tm.my_samples(smp, ids)).reduce_mean().item())
-        opt.step()
+    losses = tm.train(smp, model, opt, _loss)
     hf_sd = smp.nn.huggingface.gptneo.translate_state_dict_to_hf_gptneo(model.state_dict())
     return {"losses": losses, "hf": hf_sd, "windows": windows}
 
