@@ -16,7 +16,8 @@ from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.huggingface.gpt2 import _translate
-from smp_compat.nn.module import KERNEL_FLAGS, shard
+from smp_compat.nn.huggingface.building import build_on_device
+from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
 
@@ -102,10 +103,7 @@ translate_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed
 
 
 def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    known = set(_layer_kwargs(module.config)) | (KERNEL_FLAGS - {"distribute_embedding", "zero_init", "layer_idx"})
-    device = next(module.parameters()).device
-    with torch.device(device):
-        return DistributedBertEncoder(module, {k: v for k, v in overrides.items() if k in known})
+    return build_on_device(DistributedBertEncoder, module, overrides, _layer_kwargs(module.config))
 
 
 def register() -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
+from smp_compat.nn.huggingface.building import build_on_device, check_overrides
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
@@ -194,16 +195,9 @@ def add_causal_mask_buffers(out: dict[str, Any], weight_suffix: str, max_seq_len
 
 
 def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    from smp_compat.nn.module import KERNEL_FLAGS
-
-    known = set(_layer_kwargs(module.config)) | (KERNEL_FLAGS - {"distribute_embedding", "zero_init", "layer_idx"})
-    ignored = {"use_alibi": False, "distribute_embedding": False, "zero_init": False}
-    bad = {k: v for k, v in overrides.items() if k in ignored and v != ignored[k]}
-    if bad:
-        raise SMPUnsupportedError(f"GPT-2 tensor-parallel options {bad}")
-    device = next(module.parameters()).device
-    with torch.device(device):
-        return DistributedGPT2Model(module, {k: v for k, v in overrides.items() if k in known})
+    layer_args = _layer_kwargs(module.config)  # ValueError first: the model stays unswapped
+    check_overrides("GPT-2", overrides)
+    return build_on_device(DistributedGPT2Model, module, overrides, layer_args)
 
 
 def register() -> None:

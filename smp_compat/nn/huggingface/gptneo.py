@@ -15,7 +15,8 @@ from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.huggingface.gpt2 import _translate, embed_with_mask
-from smp_compat.nn.module import KERNEL_FLAGS, shard
+from smp_compat.nn.huggingface.building import build_on_device
+from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
 
@@ -99,10 +100,7 @@ def translate_state_dict_to_hf_gptneo(
 
 
 def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    known = set(_layer_kwargs(module.config)) | (KERNEL_FLAGS - {"distribute_embedding", "zero_init", "layer_idx"})
-    device = next(module.parameters()).device
-    with torch.device(device):
-        return DistributedGPTNeoModel(module, {k: v for k, v in overrides.items() if k in known})
+    return build_on_device(DistributedGPTNeoModel, module, overrides, _layer_kwargs(module.config))
 
 
 def register() -> None:

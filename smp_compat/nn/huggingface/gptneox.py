@@ -24,8 +24,9 @@ from torch import nn
 from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.gptj import _copy_block
 from smp_compat.nn.huggingface.rotary_blocks import (
-    RotaryEmbedding, additive_mask, build_layers, check_overrides, layer_options, refuse_unsupported)  # fmt: skip
-from smp_compat.nn.module import KERNEL_FLAGS, DistributedModule
+    RotaryEmbedding, additive_mask, build_layers, layer_options, refuse_unsupported)  # fmt: skip
+from smp_compat.nn.huggingface.building import build_on_device, check_overrides
+from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.registry import register_builtin
 
 __all__ = ["DistributedGPTNeoXModel", "register", "translate_state_dict_to_hf_gptneox",
@@ -174,10 +175,7 @@ def translate_state_dict_to_hf_gptneox(
 
 def _build(module: nn.Module, overrides: dict[str, Any]) -> nn.Module:
     check_overrides("GPT-NeoX", overrides)
-    known = set(_layer_kwargs(module.config)) | (KERNEL_FLAGS - {"distribute_embedding", "zero_init", "layer_idx"})
-    device = next(module.parameters()).device
-    with torch.device(device):
-        return DistributedGPTNeoXModel(module, {k: v for k, v in overrides.items() if k in known})
+    return build_on_device(DistributedGPTNeoXModel, module, overrides, _layer_kwargs(module.config))
 
 
 def register() -> None:

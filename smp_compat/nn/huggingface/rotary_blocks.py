@@ -25,7 +25,7 @@ from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.transformer import DistributedTransformerOutputLayer
 
 __all__ = ["RotaryEmbedding", "RotaryAttentionLayer", "MLPBranch", "RotaryTransformerLayer", "enter", "additive_mask",
-           "refuse_unsupported", "check_overrides", "layer_options"]  # fmt: skip
+           "refuse_unsupported", "layer_options"]  # fmt: skip
 
 Inputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
@@ -197,14 +197,6 @@ def refuse_unsupported(model: str, past_key_values: Any, **flags: Any) -> None:
     if past_key_values is not None or asked:
         what = ", ".join((["past_key_values (KV cache)"] if past_key_values is not None else []) + asked)
         raise SMPUnsupportedError(f"{what} in the tensor-parallel {model}")
-
-
-def check_overrides(model: str, overrides: dict[str, Any]) -> None:
-    """``tensor_parallelism(...)`` options the swap cannot honour, set away from their defaults, are refused."""
-    ignored = {"use_alibi": False, "distribute_embedding": False, "zero_init": False}
-    bad = {k: v for k, v in overrides.items() if k in ignored and v != ignored[k]}
-    if bad:
-        raise SMPUnsupportedError(f"{model} tensor-parallel options {bad}")
 
 
 def layer_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
