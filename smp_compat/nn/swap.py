@@ -62,22 +62,17 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
     registry.requested = False  # a supported module was found: no "nothing supported" line for this model
     where = f"{path or '<root>'} ({type(module).__name__})"
     mark = (mark[0], _without_forced_flags(mark[1]))
-    if registration.build is not None:
-        try:
-            new = registration.build(module, mark[1])
-        except ValueError as exc:
-            log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
+    if registration.build is None:  # a tp_register swap cannot keep weights shared with another module
+        shared = [n for n, p in module.named_parameters() if counts[id(p)] > _own_uses(module, p)]
+        if shared:
+            log.warning("smp_compat: %s left unswapped for tensor parallelism: its weights %s are shared with "
+                        "another module", where, shared)  # fmt: skip
             return None
-        new.train(module.training)
-        carry_partition(module, new, _layer_pairs(module, new))
-        return new
-    shared = [n for n, p in module.named_parameters() if counts[id(p)] > _own_uses(module, p)]
-    if shared:
-        log.warning("smp_compat: %s left unswapped for tensor parallelism: its weights %s are shared with "
-                    "another module", where, shared)  # fmt: skip
-        return None
     try:
-        new = _build_generic(module, registration, mark[1])
+        if registration.build is not None:
+            new = registration.build(module, mark[1])
+        else:
+            new = _build_generic(module, registration, mark[1])
     except ValueError as exc:
         log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
         return None
