@@ -6,7 +6,8 @@ Our own design in the spirit of SMP's (SMP_REFERENCE §4.5); deterministic for t
    compute is its traced exclusive time, or 1 when times were not measured. Both are normalized by the
    root's totals and mixed by ``memory_weight``; a subtree's cost is the sum over its modules.
 2. Units. Starting from [root], every unit with children whose cost exceeds half a rank's fair share
-   is replaced by [its own module, then its children in execution order].
+   is replaced by [its own module, then its children in execution order]. A module without state has
+   no unit of its own: its own cost joins its first child's unit, since it runs with its subtree.
 3. Split. The unit sequence is cut into min(pp, units) contiguous segments minimizing the largest
    segment cost (exact dynamic programming); segment i goes to rank i, so the root stays on rank 0.
 4. Modules that share a parameter all take the rank of the first of them in execution order.
@@ -131,6 +132,28 @@ def _units(
     return units
 
 
+def _fold_stateless(
+    tree: _Tree, units: list[tuple[int, bool]], own_cost: list[float], sub_cost: list[float]
+) -> tuple[list[tuple[int, bool]], list[float]]:
+    """Units and their costs, with each expanded stateless module's own cost charged to the unit after it.
+
+    A module without state runs where its subtree's state lives (``runtime/placement.py``), never apart
+    from it, so a cut between its own compute and its first child would balance a split that never runs.
+    The unit after an expanded module is always its first child.
+    """
+    kept: list[tuple[int, bool]] = []
+    costs: list[float] = []
+    carried = 0.0
+    for i, only_self in units:
+        if only_self and not owns_state(tree.modules[i]):
+            carried += own_cost[i]
+            continue
+        kept.append((i, only_self))
+        costs.append((own_cost[i] if only_self else sub_cost[i]) + carried)
+        carried = 0.0
+    return kept, costs
+
+
 def split_min_max(costs: list[float], segments: int) -> list[int]:
     """Cut ``costs`` into ``segments`` non-empty contiguous runs minimizing the largest run's sum.
 
@@ -210,8 +233,7 @@ def auto_plan(root: nn.Module, trace: TraceResult, pp_size: int, memory_weight: 
         placed = {i: 0 for i, module in enumerate(tree.modules) if owns_state(module)}
     else:
         threshold = sub_cost[0] / pp_size * _EXPAND_FRACTION
-        units = _units(tree, sub_cost, subtree_key, threshold)
-        unit_costs = [own_cost[i] if only_self else sub_cost[i] for i, only_self in units]
+        units, unit_costs = _fold_stateless(tree, _units(tree, sub_cost, subtree_key, threshold), own_cost, sub_cost)
         placed = _place_units(tree, units, split_min_max(unit_costs, min(pp_size, len(units))))
         _co_locate_shared(root, tree, placed, own_key)
     if 0 in placed:

@@ -149,6 +149,29 @@ def test_memory_weight_changes_the_split_when_compute_and_memory_disagree() -> N
     assert [by_compute[str(i)] for i in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+class Wrapped(nn.Module):
+    """A module without state whose own forward does the work, around one Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("heavier", [0, 1, 2, 3])
+def test_a_stateless_module_is_never_cut_from_its_subtree(heavier: int) -> None:
+    # Its own time runs where its Linear runs, so 2 | 2 is the only balanced plan, whichever wrapper the
+    # (noisy) clock saw a little slower. Charging own time to a unit of its own used to allow the cut
+    # "wrapper 1 | its Linear", which put three wrappers' work on rank 1.
+    model = nn.Sequential(*(Wrapped() for _ in range(4)))
+    trace = traced(model, torch.zeros(1, 4))
+    trace.exclusive_time = {name: 1e-6 for name in trace.order}
+    trace.exclusive_time.update({str(i): 0.005 * (1.02 if i == heavier else 1.0) for i in range(4)})
+    assert auto_plan(model, trace, 2, 0.0).assignment == {"0.lin": 0, "1.lin": 0, "2.lin": 1, "3.lin": 1}
+
+
 def test_pp_size_one_puts_everything_on_rank_zero() -> None:
     model = TinyGPT(blocks=2, tie=True)
     plan = plan_for(model, 1, TOKENS)
@@ -159,7 +182,7 @@ def test_pp_size_one_puts_everything_on_rank_zero() -> None:
 def test_more_ranks_than_units_leaves_ranks_empty_but_valid() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     plan = plan_for(model, 8, torch.zeros(1, 2))
-    assert sorted(plan.assignment.values()) == [1, 2]  # units: [root itself, 0, 1]: the root unit takes rank 0
+    assert sorted(plan.assignment.values()) == [0, 1]  # units: [0, 1]; the stateless root has none of its own
 
 
 class RootParam(nn.Module):
