@@ -3,7 +3,8 @@
 One 2-rank gloo job holds both libraries (one smp.init, one DistributedModel, one PipelineStage per torch
 schedule) and runs every variant in alternating rounds, the order rotating from round to round, because
 timings on a shared machine drift by tens of percent within a minute. Figures of merit: the median over
-rounds of smp_compat's samples/s divided by Schedule1F1B's in the same round (target >= 0.9), and each
+rounds of smp_compat's samples/s divided by Schedule1F1B's in the same round (target >= 1.0; issue 14
+asks >= 0.95 of the width-512 workload: `--target 0.95`), and each
 rank's measured idle fraction against the ideal bubble (p-1)/(m+p-1) (target within 0.05).
 
     python benchmarks/pp_throughput.py [--width 1024 --batch 512 --microbatches 8 --rounds 15]
@@ -41,7 +42,7 @@ from smp_compat.testing import run_ranks  # noqa: E402
 
 __all__ = ["Result", "main", "parse_args", "run"]
 
-RATIO_TARGET = 0.9
+RATIO_TARGET = 1.0  # issue 14: ahead of Schedule1F1B at width 1024
 IDLE_TOLERANCE = 0.05
 MAIN_VARIANT = "smp-interleaved"
 BASELINES = ("torch-1F1B", "torch-GPipe")
@@ -64,7 +65,7 @@ class Result:
 
     @property
     def ratio_met(self) -> bool:
-        return self.ratio_1f1b[MAIN_VARIANT] >= RATIO_TARGET
+        return self.ratio_1f1b[MAIN_VARIANT] >= self.args["target"]
 
     @property
     def idle_met(self) -> bool:
@@ -84,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="training steps per variant per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each variant before the first round")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--target", type=float, default=RATIO_TARGET, help="smp-interleaved / Schedule1F1B to meet")
     p.add_argument("--bind", action="store_true", help="bind each rank (all its threads) to a core of its own")
     p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the 2-rank job, seconds")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
@@ -228,7 +230,7 @@ def _throughput_table(result: Result) -> Table:
             *(f"{f:,.0f}" for f in result.faults[v]),
         )  # fmt: skip
     table.caption = (
-        f"Target: {MAIN_VARIANT} / Schedule1F1B >= {RATIO_TARGET}: {result.ratio_1f1b[MAIN_VARIANT]:.3f} "
+        f"Target: {MAIN_VARIANT} / Schedule1F1B >= {result.args['target']}: {result.ratio_1f1b[MAIN_VARIANT]:.3f} "
         f"{_verdict(result.ratio_met)}. samples/s: median over rounds; / 1F1B, / GPipe: median of the per-round "
         "ratios. CPU ms/step: process CPU time per step, all threads (work done; machine load inflates it "
         f"little); faults/step: minor page faults (fresh memory touched). {_first_step_note(result)}"
