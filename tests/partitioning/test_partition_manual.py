@@ -26,15 +26,15 @@ from smp_compat.partitioning import (
 )
 from smp_compat.globalstate import state
 
-ORIGINAL_INIT = nn.Module.__init__
-
-
 @pytest.fixture(autouse=True)
-def _clean_records() -> Iterator[None]:
+def module_init() -> Iterator[Callable[..., None]]:
+    """``nn.Module.__init__`` as this test found it: torch.compile (other test files) installs its own
+    patch once per process, so an import-time copy would depend on which tests ran first."""
     clear_records()
-    yield
+    before = nn.Module.__init__
+    yield before
     clear_records()
-    assert nn.Module.__init__ is ORIGINAL_INIT, "a partition context leaked its nn.Module.__init__ patch"
+    assert nn.Module.__init__ is before, "a partition context leaked its nn.Module.__init__ patch"
 
 
 @pytest.fixture
@@ -102,12 +102,14 @@ def test_default_partition_none_lists_unassigned_modules(smp_cfg: Callable[..., 
         manual_plan(model, 4, None)
 
 
-def test_context_restores_module_init_even_after_an_error(smp_cfg: Callable[..., None]) -> None:
+def test_context_restores_module_init_even_after_an_error(
+    smp_cfg: Callable[..., None], module_init: Callable[..., None]
+) -> None:
     smp_cfg(pp=2)
     with pytest.raises(RuntimeError, match="boom"), partition(1), partition(0):
-        assert nn.Module.__init__ is not ORIGINAL_INIT
+        assert nn.Module.__init__ is not module_init
         raise RuntimeError("boom")
-    assert nn.Module.__init__ is ORIGINAL_INIT
+    assert nn.Module.__init__ is module_init
     layer = nn.Linear(2, 2)
     assert manual_plan(layer, 2, 0).assignment == {"": 0}
 
@@ -168,13 +170,15 @@ def test_set_partition_before_partitioning_is_allowed(
 
 
 @pytest.mark.parametrize("index", [2, -1, True, 1.0, "1"])
-def test_out_of_range_or_bad_index(smp_cfg: Callable[..., None], index: object) -> None:
+def test_out_of_range_or_bad_index(
+    smp_cfg: Callable[..., None], index: object, module_init: Callable[..., None]
+) -> None:
     smp_cfg(pp=2)
     with pytest.raises(PartitionError, match=r"from 0 to 1"), partition(index):  # type: ignore[arg-type]
         pass
     with pytest.raises(PartitionError, match=r"from 0 to 1"):
         set_partition(nn.Linear(2, 2), index)  # type: ignore[arg-type]
-    assert nn.Module.__init__ is ORIGINAL_INIT
+    assert nn.Module.__init__ is module_init
 
 
 def test_set_partition_rejects_non_modules(smp_cfg: Callable[..., None]) -> None:
@@ -183,19 +187,21 @@ def test_set_partition_rejects_non_modules(smp_cfg: Callable[..., None]) -> None
         set_partition(torch.zeros(2), 1)  # type: ignore[arg-type]
 
 
-def test_auto_partition_makes_contexts_no_ops_and_set_partition_warns(smp_cfg: Callable[..., None]) -> None:
+def test_auto_partition_makes_contexts_no_ops_and_set_partition_warns(
+    smp_cfg: Callable[..., None], module_init: Callable[..., None]
+) -> None:
     smp_cfg(pp=2, auto_partition=True, default_partition=None)
     with partition(5):  # not even validated: SMP ignores the block under auto_partition
-        assert nn.Module.__init__ is ORIGINAL_INIT
+        assert nn.Module.__init__ is module_init
         layer = nn.Linear(2, 2)
     with pytest.warns(UserWarning, match="ignored because auto_partition is True"):
         set_partition(layer, 1)
     assert manual_plan(nn.Sequential(layer), 2, 0).assignment == {"0": 0}
 
 
-def test_contexts_are_no_ops_before_init() -> None:
+def test_contexts_are_no_ops_before_init(module_init: Callable[..., None]) -> None:
     with partition(7):
-        assert nn.Module.__init__ is ORIGINAL_INIT
+        assert nn.Module.__init__ is module_init
         layer = nn.Linear(2, 2)
     assert manual_plan(nn.Sequential(layer), 2, 1).assignment == {"0": 1}
     with pytest.raises(SMPNotInitializedError, match=r"smp.set_partition"):
