@@ -37,6 +37,23 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
+def padded_inputs(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Right padding on some samples and per-sample position ids, both chosen by content (the same on any split)."""
+    mask = torch.ones_like(ids)
+    mask[ids[:, 0] % 3 == 0, -2:] = 0
+    positions = torch.arange(ids.shape[1]) * (1 + ids[:, :1] % 3)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+
+
+def hf_padded_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss on ``padded_inputs``."""
+    return model(**padded_inputs(ids), labels=ids).loss
+
+
+def adamw(params: object) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
 def batches(steps: int = STEPS, global_batch: int = GLOBAL_BATCH) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(123)
     return [torch.randint(0, VOCAB, (global_batch, SEQ), generator=g) for _ in range(steps)]

@@ -20,22 +20,6 @@ def _model() -> torch.nn.Module:
     return transformers.GPTJForCausalLM(config)
 
 
-def _inputs(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Right padding on some samples and per-sample position ids, both chosen by content (the same on any split)."""
-    mask = torch.ones_like(ids)
-    mask[ids[:, 0] % 3 == 0, -2:] = 0
-    positions = torch.arange(ids.shape[1]) * (1 + ids[:, :1] % 3)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-
-
-def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(**_inputs(ids), labels=ids).loss
-
-
-def _adamw(params: object) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
 def _train(prescaled: bool) -> dict:
     import smp_compat as smp
 
@@ -44,13 +28,13 @@ def _train(prescaled: bool) -> dict:
     with smp.model_creation(tensor_parallelism=True):
         hf = _model()
     model = smp.DistributedModel(hf)
-    opt = smp.DistributedOptimizer(_adamw(model.parameters()))
+    opt = smp.DistributedOptimizer(tm.adamw(model.parameters()))
     inner = model.get_module()
 
-    losses = tm.train(smp, model, opt, _loss)
+    losses = tm.train(smp, model, opt, tm.hf_padded_loss)
     mine = tm.my_samples(smp, tm.batches(1)[0])
     with torch.no_grad():
-        logits = model(**_inputs(mine)).logits
+        logits = model(**tm.padded_inputs(mine)).logits
     return {
         "losses": losses, "hf": smp.nn.huggingface.gptj.translate_state_dict_to_hf_gptj(model.state_dict()),
         "ids": mine, "logits": logits, "local": sum(p.numel() for p in model.parameters()),
@@ -62,7 +46,7 @@ def _train(prescaled: bool) -> dict:
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_gptj_tp2_matches_stock_hf(prescaled: bool) -> None:
     results = run_ranks(_train, 2, prescaled, timeout=240)
-    ref_losses, ref_params = tm.reference(_model, loss_fn=_loss, make_opt=_adamw)
+    ref_losses, ref_params = tm.reference(_model, loss_fn=tm.hf_padded_loss, make_opt=tm.adamw)
     torch.testing.assert_close(torch.tensor([r["losses"] for r in results]).mean(0), torch.tensor(ref_losses),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     stock = _model()
@@ -76,7 +60,7 @@ def test_gptj_tp2_matches_stock_hf(prescaled: bool) -> None:
         for name, value in ref_params.items():
             torch.testing.assert_close(r["hf"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         with torch.no_grad():
-            theirs = stock(**_inputs(r["ids"])).logits
+            theirs = stock(**tm.padded_inputs(r["ids"])).logits
         torch.testing.assert_close(r["logits"], theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -92,7 +76,7 @@ def _tp1() -> dict:
     model = smp.DistributedModel(hf)
     inner = model.get_module().transformer
     ids = tm.batches(1)[0]
-    out, ref = model(**_inputs(ids), labels=ids), plain(**_inputs(ids), labels=ids)
+    out, ref = model(**tm.padded_inputs(ids), labels=ids), plain(**tm.padded_inputs(ids), labels=ids)
     refused = ""
     try:
         model(input_ids=ids, output_attentions=True)
