@@ -2,7 +2,8 @@
 
 One process group per (sender, receiver) direction: sends and receives match by order on their own
 channel, never by timing or tags (NCCL has none). Sends start asynchronously from the calling thread,
-which never waits for a transfer; one receiver thread per peer delivers what arrives.
+which waits only for sends older than the last two (done in practice) to reuse their buffers; one
+receiver thread per peer delivers what arrives.
 
 A message (pickled kind, metadata and tensor specs, then the tensors' bytes) is packed into ONE
 buffer. On gloo each extra send cost ~2 ms here (a message that arrives before its receive is
@@ -279,6 +280,7 @@ class _Outgoing:
     """The sends to one peer still in progress, with their buffers, and the buffers free for reuse."""
 
     _KEEP_FREE = 4
+    _WINDOW = 2  # sends kept in flight without waiting for them
 
     def __init__(self, channel: _Channel) -> None:
         self.channel = channel
@@ -292,8 +294,13 @@ class _Outgoing:
         self._in_flight.append((self.channel.send_async(part), owner))
 
     def free_buffer(self) -> torch.Tensor | None:
-        """The largest buffer whose sends are done (raises a send's error), or None."""
-        while self._in_flight and self._in_flight[0][0].is_completed():
+        """The largest buffer whose sends are done (raises a send's error), or None.
+
+        Gloo marks a send complete only inside ``wait()`` (``is_completed()`` stays False until then), so
+        sends older than the last ``_WINDOW`` are waited for: they are done in practice (the peer always has
+        a receive posted). Without that, gloo kept every message buffer for the engine's lifetime.
+        """
+        while self._in_flight and (len(self._in_flight) > self._WINDOW or self._in_flight[0][0].is_completed()):
             work, owner = self._in_flight.popleft()
             work.wait()  # raises if the send failed
             if not any(owner is o for _, o in self._in_flight):
