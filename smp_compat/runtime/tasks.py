@@ -65,7 +65,8 @@ class Task:
         self.microbatch = microbatch
         self.fn = fn
         self.priority = priority
-        self.go = threading.Event()
+        self.go = threading.Lock()  # held while the task waits for the baton; released to hand it over
+        self.go.acquire()
         self.runnable = False
         self.started = False
         self.done = False
@@ -222,7 +223,7 @@ class Scheduler:
             if nxt is me:
                 return self._resume(me)
             if nxt.started:
-                nxt.go.set()
+                nxt.go.release()
             else:
                 nxt.started = True
                 if me.done:
@@ -230,8 +231,7 @@ class Scheduler:
                 self._start_on_worker(nxt)
             if me.done:
                 return None
-            me.go.wait()
-            me.go.clear()
+            me.go.acquire()
             return self._resume(me)
 
     @staticmethod
