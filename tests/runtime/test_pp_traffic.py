@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from models import causal_mask, lm_loss, make_batches, make_model, place_blocks_by_stage
 from smp_compat.testing import run_ranks
 
 MICROBATCHES, BATCH, SEQ, WIDTH = 4, 8, 8, 16
 
 
-def _bytes_per_step() -> list[int]:
+def _pipelined_lm() -> tuple[Any, Any]:
+    """pp = 2 model (blocks 2, 3 and ln_f on rank 1; the tied head on rank 0) and its training step."""
     import smp_compat as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
               "default_partition": 0})  # fmt: skip
     model = smp.DistributedModel(make_model())
-    place_blocks_by_stage(smp, model)  # blocks 2, 3 and ln_f on rank 1; the tied head on rank 0
+    place_blocks_by_stage(smp, model)
     mask = causal_mask(SEQ)
 
     @smp.step
@@ -23,6 +26,11 @@ def _bytes_per_step() -> list[int]:
         model.backward(loss)
         return loss
 
+    return model, train_step
+
+
+def _bytes_per_step() -> list[int]:
+    model, train_step = _pipelined_lm()
     sent = []
     for x, y in make_batches(3, BATCH):
         before = model.pipeline_engine.bytes_sent if model.pipeline_engine else 0
@@ -43,20 +51,7 @@ def test_bytes_per_microbatch_match_the_partition_boundary() -> None:
 
 
 def _send_buffers_held_after_steps(steps: int) -> tuple[int, int]:
-    import smp_compat as smp
-
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES, "auto_partition": False,
-              "default_partition": 0})  # fmt: skip
-    model = smp.DistributedModel(make_model())
-    place_blocks_by_stage(smp, model)
-    mask = causal_mask(SEQ)
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x, attention_mask=mask), y)
-        model.backward(loss)
-        return loss
-
+    model, train_step = _pipelined_lm()
     for x, y in make_batches(steps, BATCH):
         train_step(model, x, y)
     transport = model.pipeline_engine.transport
