@@ -57,8 +57,14 @@ class Worker:
         torch.set_num_threads(1)
         while True:
             self._go.acquire()
+            if self._fn is None:
+                return
             self._fn()
             self._done.release()
+
+    def close(self) -> None:
+        self._fn = None
+        self._go.release()
 
     def run(self, fn: Callable[[], None]) -> None:
         self._fn = fn
@@ -75,10 +81,22 @@ def step_order() -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs on one core and one torch thread, restoring both afterwards (the smoke test calls it in-process)."""
     args = parse_args(argv)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    torch.set_num_threads(1)
+    cores, threads = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None), torch.get_num_threads()
+    try:
+        if cores:
+            os.sched_setaffinity(0, {min(cores)})
+        torch.set_num_threads(1)
+        print(_measure(args))
+    finally:
+        if cores:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> str:
     stage = make_mlp(args.width, 8)[:8]  # the first 4 Linear + ReLU: rank 0's half
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9)
     inputs = [torch.randn(args.microbatch, args.width) for _ in range(MICROBATCHES)]
@@ -109,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.steps):
                 step(threads)
             times[threads].append((time.perf_counter() - start) / args.steps * 1e3)
+    for worker in workers:
+        worker.close()
     one, spread = statistics.median(times[1]), statistics.median(times[THREADS])
-    print(f"width {args.width}, microbatch {args.microbatch}: one worker {one:.2f} ms/step, {THREADS} workers "
-          f"{spread:.2f} ms/step, ratio {spread / one:.3f}")  # fmt: skip
-    return 0
+    return (f"width {args.width}, microbatch {args.microbatch}: one worker {one:.2f} ms/step, {THREADS} workers "
+            f"{spread:.2f} ms/step, ratio {spread / one:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 
 import pp_bytes  # noqa: E402
 import pp_memory  # noqa: E402
+import pp_rss  # noqa: E402
 import pp_throughput  # noqa: E402
+import thread_spread  # noqa: E402
 
 TINY = ["--width", "32", "--batch", "16", "--microbatches", "4"]
 
@@ -74,3 +77,17 @@ def test_saved_tensor_meter_counts_and_releases() -> None:
     out.sum().backward()
     del out
     assert meter.current == 0 and meter.peak == 2 * 4 * 8 * 4
+
+
+def test_rss_runs_both_libraries(capfd: pytest.CaptureFixture[str]) -> None:
+    # the verdict is not checked: a few steps cannot tell allocator noise from growth
+    assert pp_rss.main([*TINY, "--warmup", "1", "--steps", "2"]) in (0, 1)
+    printed = capfd.readouterr().out
+    assert "smp-interleaved" in printed and "torch-1F1B" in printed
+
+
+def test_thread_spread_runs_and_restores_the_process(capfd: pytest.CaptureFixture[str]) -> None:
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    assert thread_spread.main(["--width", "16", "--microbatch", "4", "--rounds", "2", "--steps", "1"]) == 0
+    assert "ratio" in capfd.readouterr().out
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
