@@ -16,7 +16,7 @@ from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.huggingface.gpt2 import _translate
-from smp_compat.nn.huggingface.building import build_on_device
+from smp_compat.nn.huggingface.building import activation_of, build_on_device
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
@@ -24,7 +24,6 @@ from smp_compat.nn.transformer import DistributedTransformer
 __all__ = ["DistributedBertEncoder", "register", "translate_hf_state_dict_to_smdistributed_bert",
            "translate_state_dict_to_hf_bert", "translate_state_dict_to_smdistributed"]  # fmt: skip
 
-_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh"}
 # (HF name, our name) for one layer; nn.Linear weights keep their layout
 _NAMES = [
     ("attention.self.query.weight", "attention.query_weight"), ("attention.self.query.bias", "attention.query_bias"),
@@ -42,15 +41,12 @@ _NAMES = [
 def _layer_kwargs(config: Any) -> dict[str, Any]:
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError("BERT as a decoder or with cross-attention is not supported by the tensor-parallel swap")
-    act = config.hidden_act if isinstance(config.hidden_act, str) else None
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by the tensor-parallel swap")
     hidden, heads = config.hidden_size, config.num_attention_heads
     return dict(
         num_layers=config.num_hidden_layers, num_attention_heads=heads, attention_head_size=hidden // heads,
         hidden_size=hidden, intermediate_size=config.intermediate_size,
         attention_dropout_prob=config.attention_probs_dropout_prob, hidden_dropout_prob=config.hidden_dropout_prob,
-        activation=_ACTIVATIONS[act], layernorm_epsilon=config.layer_norm_eps,
+        activation=activation_of(config, "hidden_act"), layernorm_epsilon=config.layer_norm_eps,
         initializer_range=config.initializer_range, use_normal_initialization=True,
         pre_layernorm=False, post_layernorm=True,
     )  # fmt: skip

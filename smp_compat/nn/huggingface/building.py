@@ -12,9 +12,19 @@ from torch import nn
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.module import KERNEL_FLAGS
 
-__all__ = ["build_on_device", "check_overrides"]
+__all__ = ["activation_of", "build_on_device", "check_overrides"]
 
 _MODEL_LEVEL_FLAGS = {"distribute_embedding", "zero_init", "layer_idx"}
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def activation_of(config: Any, field: str) -> str:
+    """smp.nn's name for the activation in ``config.<field>``; ValueError, so the model stays unswapped, for
+    one the swap does not have (or a callable)."""
+    name = getattr(config, field)
+    if not isinstance(name, str) or name not in _ACTIVATIONS:
+        raise ValueError(f"{field} {name!r} is not supported by the tensor-parallel swap")
+    return _ACTIVATIONS[name]
 
 
 def check_overrides(model: str, overrides: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
-from smp_compat.nn.huggingface.building import build_on_device, check_overrides
+from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
@@ -25,21 +25,18 @@ from smp_compat.nn.transformer import DistributedTransformer
 __all__ = ["DistributedGPT2Model", "register", "translate_hf_state_dict_to_smdistributed_gpt2",
            "translate_state_dict_to_hf_gpt2", "get_hf_gpt2_transformer_layer_hooks"]  # fmt: skip
 
-_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
 def _layer_kwargs(config: Any) -> dict[str, Any]:
     """DistributedTransformer arguments equal to a GPT2Config; ValueError for what the swap does not cover."""
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with add_cross_attention is not supported by the tensor-parallel swap")
-    if config.activation_function not in _ACTIVATIONS:
-        raise ValueError(f"activation_function {config.activation_function!r} is not supported by the swap")
     hidden, heads = config.hidden_size, config.num_attention_heads
     return dict(
         num_layers=config.num_hidden_layers, num_attention_heads=heads, attention_head_size=hidden // heads,
         hidden_size=hidden, intermediate_size=config.n_inner or 4 * hidden,
         attention_dropout_prob=config.attn_pdrop, hidden_dropout_prob=config.resid_pdrop,
-        activation=_ACTIVATIONS[config.activation_function], layernorm_epsilon=config.layer_norm_epsilon,
+        activation=activation_of(config, "activation_function"), layernorm_epsilon=config.layer_norm_epsilon,
         initializer_range=config.initializer_range, use_normal_initialization=True,
         causal_mask_size=config.n_positions, pre_layernorm=True, post_layernorm=False,
         scale_attention_scores=bool(config.scale_attn_weights),

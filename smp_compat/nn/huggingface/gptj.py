@@ -19,7 +19,7 @@ from torch import nn
 from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.rotary_blocks import (
     RotaryEmbedding, additive_mask, build_layers, layer_options, refuse_unsupported)  # fmt: skip
-from smp_compat.nn.huggingface.building import build_on_device, check_overrides
+from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import DistributedModule, shard
 from smp_compat.nn.registry import register_builtin
 
@@ -27,7 +27,6 @@ __all__ = ["DistributedGPTJModel", "register", "translate_state_dict_to_hf_gptj"
            "translate_hf_gptj_state_dict_to_smdistributed_gptj", "translate_hf_state_dict_to_smdistributed_gptj",
            "translate_hf_gptj_state_dict_to_smdistributed"]  # fmt: skip
 
-_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _NAMES = [
     ("ln_1.weight", "layernorm.weight"), ("ln_1.bias", "layernorm.bias"),
     ("attn.q_proj.weight", "attention.query_weight"), ("attn.k_proj.weight", "attention.key_weight"),
@@ -40,15 +39,13 @@ _NAMES = [
 
 def _layer_kwargs(config: Any) -> dict[str, Any]:
     """Layer arguments equal to a GPTJConfig; ValueError (the model stays unswapped) for what the swap lacks."""
-    if config.activation_function not in _ACTIVATIONS:
-        raise ValueError(f"activation_function {config.activation_function!r} is not supported by the swap")
     hidden, heads = config.n_embd, config.n_head
     if config.rotary_dim is None or config.rotary_dim > hidden // heads:
         raise ValueError(f"rotary_dim {config.rotary_dim!r} (the swap needs 0 < rotary_dim <= the head size)")
     return dict(
         num_attention_heads=heads, attention_head_size=hidden // heads, hidden_size=hidden,
         intermediate_size=config.n_inner or 4 * hidden, attention_dropout_prob=config.attn_pdrop,
-        hidden_dropout_prob=config.resid_pdrop, activation=_ACTIVATIONS[config.activation_function],
+        hidden_dropout_prob=config.resid_pdrop, activation=activation_of(config, "activation_function"),
         layernorm_epsilon=config.layer_norm_epsilon, initializer_range=config.initializer_range,
         use_normal_initialization=True, attention_bias=False, attention_in_fp32=True,
     )  # fmt: skip

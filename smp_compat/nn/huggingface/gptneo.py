@@ -15,7 +15,7 @@ from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.huggingface.gpt2 import _translate, embed_with_mask
-from smp_compat.nn.huggingface.building import build_on_device
+from smp_compat.nn.huggingface.building import activation_of, build_on_device
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
@@ -23,7 +23,6 @@ from smp_compat.nn.transformer import DistributedTransformer
 __all__ = ["DistributedGPTNeoModel", "register", "translate_hf_state_dict_to_smdistributed_gptneo",
            "translate_state_dict_to_hf_gptneo"]  # fmt: skip
 
-_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _NAMES = [
     ("ln_1.weight", "attention.layernorm.weight"), ("ln_1.bias", "attention.layernorm.bias"),
     ("attn.attention.q_proj.weight", "attention.query_weight"), ("attn.attention.k_proj.weight", "attention.key_weight"),
@@ -36,14 +35,12 @@ _NAMES = [
 
 
 def _layer_kwargs(config: Any) -> dict[str, Any]:
-    if config.activation_function not in _ACTIVATIONS:
-        raise ValueError(f"activation_function {config.activation_function!r} is not supported by the swap")
     hidden, heads = config.hidden_size, config.num_heads
     return dict(
         num_layers=config.num_layers, num_attention_heads=heads, attention_head_size=hidden // heads,
         hidden_size=hidden, intermediate_size=config.intermediate_size or 4 * hidden,
         attention_dropout_prob=config.attention_dropout, hidden_dropout_prob=config.resid_dropout,
-        activation=_ACTIVATIONS[config.activation_function], layernorm_epsilon=config.layer_norm_epsilon,
+        activation=activation_of(config, "activation_function"), layernorm_epsilon=config.layer_norm_epsilon,
         initializer_range=config.initializer_range, use_normal_initialization=True,
         causal_mask_size=config.max_position_embeddings, pre_layernorm=True, post_layernorm=False,
         scale_attention_scores=False, attention_in_fp32=True, attention_bias=False,

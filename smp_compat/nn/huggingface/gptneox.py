@@ -25,14 +25,13 @@ from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.gptj import _copy_block
 from smp_compat.nn.huggingface.rotary_blocks import (
     RotaryEmbedding, additive_mask, build_layers, layer_options, refuse_unsupported)  # fmt: skip
-from smp_compat.nn.huggingface.building import build_on_device, check_overrides
+from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.registry import register_builtin
 
 __all__ = ["DistributedGPTNeoXModel", "register", "translate_state_dict_to_hf_gptneox",
            "translate_hf_state_dict_to_smdistributed_gptneox"]  # fmt: skip
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _PLAIN = [
     ("input_layernorm.weight", "attention.layernorm.weight"), ("input_layernorm.bias", "attention.layernorm.bias"),
     ("attention.dense.weight", "attention.dense_weight"), ("attention.dense.bias", "attention.dense_bias"),
@@ -57,15 +56,12 @@ def _rotary(config: Any) -> RotaryEmbedding:
 
 def _layer_kwargs(config: Any) -> dict[str, Any]:
     """Layer arguments equal to a GPTNeoXConfig; ValueError (the model stays unswapped) for what the swap lacks."""
-    act = config.hidden_act if isinstance(config.hidden_act, str) else None
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by the tensor-parallel swap")
     _rotary(config)
     hidden, heads = config.hidden_size, config.num_attention_heads
     return dict(
         num_attention_heads=heads, attention_head_size=hidden // heads, hidden_size=hidden,
         intermediate_size=config.intermediate_size, attention_dropout_prob=config.attention_dropout,
-        hidden_dropout_prob=config.hidden_dropout, activation=_ACTIVATIONS[act],
+        hidden_dropout_prob=config.hidden_dropout, activation=activation_of(config, "hidden_act"),
         layernorm_epsilon=config.layer_norm_eps, initializer_range=config.initializer_range,
         use_normal_initialization=True, attention_bias=bool(config.attention_bias), attention_in_fp32=True,
     )  # fmt: skip
