@@ -26,7 +26,6 @@ __all__ = ["DistributedGPT2Model", "register", "translate_hf_state_dict_to_smdis
            "translate_state_dict_to_hf_gpt2", "get_hf_gpt2_transformer_layer_hooks"]  # fmt: skip
 
 
-
 def _layer_kwargs(config: Any) -> dict[str, Any]:
     """DistributedTransformer arguments equal to a GPT2Config; ValueError for what the swap does not cover."""
     if getattr(config, "add_cross_attention", False):
