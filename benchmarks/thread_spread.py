@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pp1_overhead import make_mlp  # noqa: E402
+from pp_workload import make_mlp, split_index  # noqa: E402
 
 __all__ = ["Worker", "main", "parse_args", "step_order"]
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args: argparse.Namespace) -> str:
-    stage = make_mlp(args.width, 8)[:8]  # the first 4 Linear + ReLU: rank 0's half
+    stage = make_mlp(args.width, 8)[: split_index(8)]  # rank 0's half: the first 4 Linear + ReLU
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9)
     inputs = [torch.randn(args.microbatch, args.width) for _ in range(MICROBATCHES)]
     workers = [Worker() for _ in range(THREADS)]
