@@ -434,4 +434,4 @@ def _to_float32(value: Any) -> Any:
 @functools.lru_cache(maxsize=64)
 def _seed_value(dtype: torch.dtype, divisor: int) -> float:
     """``1 / divisor`` rounded exactly as ``torch.ones(dtype) / divisor`` rounds it (the seed SMP scales by)."""
-    return (torch.ones((), dtype=dtype) / divisor).item()
+    return (torch.ones((), dtype=dtype, device="cpu") / divisor).item()  # a Python number: any default device

@@ -35,7 +35,6 @@ from smp_compat.runtime.remote import (
     RemoteOutputs,
     RemoteTensor,
     ValueId,
-    amp_state,
     context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
@@ -44,6 +43,7 @@ from smp_compat.runtime.lockstep import DECISION, create_lockstep
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.serving import ServingSide
+from smp_compat.runtime.thread_state import amp_state
 from smp_compat.runtime.tasks import CONTINUE, SERVE_BACKWARD, SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.transport import Message, Transport, create_channel_groups
 from smp_compat.globalstate import state
@@ -77,7 +77,7 @@ class PipelineEngine(BackwardSide, ServingSide):
         materialize_local(self.root, local, state.device)
         self.placement.release_non_local(self.pp_rank, state.device)
         self._install_dispatch()
-        self.scheduler = Scheduler(self._handle, self.rank)
+        self.scheduler = Scheduler(self._handle, self.rank, state.device)
         groups = create_channel_groups(topo.all_groups("pp"))
         peers = [r for r in self.pp_members if r != self.rank]
         self.transport = Transport(self.rank, peers, groups, state.device, self.scheduler.inbox.put)

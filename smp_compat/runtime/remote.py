@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CallId", "ValueId", "CallRecord", "MicrobatchCalls", "Hosted", "Driver", "RemoteOutputs", "RemoteTensor",
-    "context", "set_context", "amp_state",
+    "context", "set_context",
 ]  # fmt: skip
 
 CallId = tuple[int, int]  # (caller rank, sequence number): unique in the job
@@ -66,6 +66,8 @@ class MicrobatchCalls:
         return value if ref() is tensor and tensor._version == version else None
 
     def remember(self, owner: int, tensor: torch.Tensor, value: ValueId) -> None:
+        if tensor.is_inference():  # no version counter to tell an in-place change: always sent again
+            return
         self.held.setdefault(owner, {})[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
 
 
@@ -186,10 +188,3 @@ def context() -> Context | None:
 def set_context(ctx: Context | None) -> None:
     _local.ctx = ctx
 
-
-def amp_state() -> dict[str, tuple[bool, torch.dtype]]:
-    """The caller's autocast settings, so modules executed on other ranks run under the same ones."""
-    state = {}
-    for device_type in ("cpu", "cuda"):
-        state[device_type] = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    return state

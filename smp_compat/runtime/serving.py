@@ -8,7 +8,6 @@ an error is sent back to the caller with this rank's traceback, never raised her
 from __future__ import annotations
 
 import collections
-import contextlib
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from smp_compat.memory.activation_checkpointing import run_checkpointed
 from smp_compat.runtime.remote import CallId, Context, Hosted, set_context
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
+from smp_compat.runtime.thread_state import autocast_as
 from smp_compat.runtime.transport import Message
 from smp_compat.failure import RootCause, root_of
 from smp_compat.stepping.step import set_current_microbatch
@@ -83,7 +83,7 @@ class ServingSide:
         try:
             inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
             args, kwargs = fill_tensors(meta["skeleton"], inputs)
-            with torch.set_grad_enabled(meta["grad"]), _autocast(meta["amp"]):
+            with torch.set_grad_enabled(meta["grad"]), autocast_as(meta["amp"]):
                 result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
             skeleton, outputs = flatten_tensors(result)
         except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
@@ -132,11 +132,3 @@ class ServingSide:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
         self._send(message.src, kind, {key: message.meta[key], "error": text, "root": root})
 
-
-@contextlib.contextmanager
-def _autocast(amp: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for device_type, (enabled, dtype) in amp.items():
-            if enabled:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        yield

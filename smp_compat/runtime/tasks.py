@@ -26,6 +26,7 @@ import torch
 
 from smp_compat import timeline
 from smp_compat.errors import SMPTimeoutError
+from smp_compat.runtime.thread_state import CallerState, cuda_device_setter
 
 __all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "SERVE_FORWARD", "FORWARD", "SERVE_BACKWARD", "BACKWARD"]
 
@@ -92,7 +93,7 @@ class Task:
 class Scheduler:
     """Runs tasks one at a time; ``handle`` turns each incoming message into wake-ups or new tasks."""
 
-    def __init__(self, handle: Callable[[Any], None], rank: int) -> None:
+    def __init__(self, handle: Callable[[Any], None], rank: int, device: torch.device) -> None:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.handle = handle
         self.rank = rank
@@ -100,6 +101,8 @@ class Scheduler:
         self.root: Task | None = None
         self.timeout = float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
         self._torch_threads = torch.get_num_threads()
+        self._set_device = cuda_device_setter(device)
+        self._caller_state = CallerState.capture()
         # most recently idle first (a stack): work stays on few, warm threads (their malloc arenas and
         # caches), where a queue rotated it over every worker; append/pop are atomic in CPython
         self._idle_workers: collections.deque[queue.SimpleQueue] = collections.deque()
@@ -112,6 +115,7 @@ class Scheduler:
         self.root = Task(name, None, (-1,))
         self.root.started = True  # it runs in its own thread already
         self._context = contextvars.copy_context()  # torch's configs (dynamo, inductor...) are context variables
+        self._caller_state = CallerState.capture()  # and autocast, modes, hooks are thread-local: tasks share them
         self.tasks.append(self.root)
         return self.root
 
@@ -145,6 +149,7 @@ class Scheduler:
 
     def _worker_loop(self, inbox: queue.SimpleQueue) -> None:
         torch.set_num_threads(self._torch_threads)
+        self._set_device()
         while True:
             task = inbox.get()
             if task is None:
@@ -177,7 +182,8 @@ class Scheduler:
         """Run a task that was just picked; returns a new task this (now free) thread runs next, if any."""
         task.resumed_at = timeline.now()
         try:
-            task.result = self._context.copy().run(task.fn)  # the step caller's context, one copy per task
+            with self._caller_state.applied():
+                task.result = self._context.copy().run(task.fn)  # the step caller's context, one copy per task
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this task
             task.error = exc
         task.done = True

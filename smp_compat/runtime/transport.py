@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from smp_compat import timeline
 from smp_compat.comm import tensor_to_object
+from smp_compat.runtime.thread_state import cuda_device_setter
 
 __all__ = ["Message", "Transport", "create_channel_groups", "pack", "unpack", "HEADER_BYTES"]
 
@@ -191,6 +192,7 @@ class Transport:
         self.messages = 0
         self._outgoing = {p: _Outgoing(_Channel(groups[(rank, p)], p)) for p in peers}
         self._threads: list[threading.Thread] = []
+        self._set_device = cuda_device_setter(device)
         for peer in peers:
             channel = _Channel(groups[(peer, rank)], peer)
             thread = threading.Thread(target=self._recv_loop, args=(peer, channel), name=f"smp-recv-{peer}->{rank}",
@@ -239,6 +241,7 @@ class Transport:
             thread.join(timeout=10)
 
     def _recv_loop(self, src: int, channel: _Channel) -> None:
+        self._set_device()
         capacity = _INITIAL_CAPACITY
         receive_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         while True:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from smp_compat.runtime.lockstep import DECISION, Lockstep, lockstep_replies
 from smp_compat.runtime.remote import Driver
 from smp_compat.runtime.tasks import FORWARD, SERVE_BACKWARD, Fatal, Scheduler, Task
@@ -27,7 +29,7 @@ def _task(name: str, priority: tuple, runnable: bool = True) -> Task:
 
 
 def _scheduler(*tasks: Task) -> Scheduler:
-    scheduler = Scheduler(lambda message: None, rank=0)
+    scheduler = Scheduler(lambda message: None, rank=0, device=torch.device("cpu"))
     scheduler.tasks.extend(tasks)
     return scheduler
 
