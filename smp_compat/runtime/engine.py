@@ -377,7 +377,7 @@ _ANCHOR: list[torch.Tensor] = []
 def _anchor() -> torch.Tensor:
     """A leaf that requires grad, so RemoteOutputs is recorded by autograd even if no input needs grad."""
     if not _ANCHOR:
-        _ANCHOR.append(torch.zeros((), requires_grad=True))
+        _ANCHOR.append(torch.zeros((), device="cpu", requires_grad=True))  # not on a default device set by a mode
     return _ANCHOR[0]
 
 

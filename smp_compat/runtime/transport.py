@@ -144,7 +144,7 @@ def unpack(buf: torch.Tensor, src: int, copy: bool = True) -> Message:
     for shape, dtype, o in specs:
         n = math.prod(shape) * dtype.itemsize
         if copy or not n:
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device="cpu")
             if n:
                 ctypes.memmove(t.data_ptr(), base + start + o, n)
         else:
