@@ -1,7 +1,7 @@
 """The step caller's thread-local torch state, carried into the engine's own threads.
 
 Torch keeps autocast, inference mode, the torch-function mode stack (which holds ``torch.set_default_device``
-and ``with torch.device(...)``), the saved-tensor hooks and the current CUDA device and stream per OS thread.
+and ``with torch.device(...)``), the saved-tensor hooks and the current CUDA device per OS thread.
 The engine runs microbatches and served calls on worker threads (tasks.py), where none of that is set: so
 ``with torch.autocast("cpu", dtype=torch.bfloat16): train_step(...)`` ran in bf16 at pp = 1 and silently in
 fp32 at pp = 2. Every task now runs under the state of the thread that called the step on its rank.
@@ -46,13 +46,16 @@ def autocast_as(amp: Amp) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class CallerState:
-    """What a task must share with the thread that called the step (grad mode travels in ``StepCall``)."""
+    """What a task must share with the thread that called the step (grad mode travels in ``StepCall``).
+
+    Not the current CUDA stream: tasks stay on the default stream, where the receiver threads put incoming
+    tensors, so no kernel reads a tensor before its copy is done.
+    """
 
     amp: Amp
     inference_mode: bool
     function_modes: tuple[Any, ...]
     saved_tensor_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None
-    cuda_stream: Any
 
     @classmethod
     def capture(cls) -> CallerState:
@@ -68,7 +71,6 @@ class CallerState:
             inference_mode=torch.is_inference_mode_enabled(),
             function_modes=tuple(_get_current_function_mode_stack()),
             saved_tensor_hooks=torch._C._autograd._top_saved_tensors_default_hooks(True),
-            cuda_stream=_non_default_cuda_stream(),
         )
 
     @functools.cached_property
@@ -79,7 +81,6 @@ class CallerState:
             and not self.inference_mode
             and not self.function_modes
             and self.saved_tensor_hooks is None
-            and self.cuda_stream is None
         )
 
     @contextlib.contextmanager
@@ -98,16 +99,7 @@ class CallerState:
             if self.saved_tensor_hooks is not None:
                 torch._C._autograd._push_saved_tensors_default_hooks(*self.saved_tensor_hooks)
                 stack.callback(torch._C._autograd._pop_saved_tensors_default_hooks)
-            if self.cuda_stream is not None:
-                stack.enter_context(torch.cuda.stream(self.cuda_stream))
             yield
-
-
-def _non_default_cuda_stream() -> Any:
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    stream = torch.cuda.current_stream()
-    return None if stream == torch.cuda.default_stream() else stream
 
 
 def cuda_device_setter(device: torch.device) -> Callable[[], None]:
