@@ -21,6 +21,7 @@ import torch.distributed as dist
 from smp_compat import failure
 from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError
+from smp_compat.heap import tune_from_environment
 from smp_compat.launch import LaunchEnv, detect_launch
 from smp_compat.topology import Topology
 
@@ -93,6 +94,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     state.device = _choose_device(backend, launch.local_rank)
     _export_rank_variables(launch)
     bind_from_environment(launch.local_rank, launch.local_size)
+    tune_from_environment()
     if launch.world_size > 1 or cfg.ddp:
         _init_process_groups(launch, topology, backend)
     state.initialized = True

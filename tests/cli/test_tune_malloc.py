@@ -1,0 +1,81 @@
+"""``smp-compat run --tune-malloc``: the launcher exports the switch, and freed memory then stays in the heap."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import smp_compat.heap
+from smp_compat.cli.run import plan_launch
+from smp_compat.heap import TUNE_MALLOC_ENV, tune_from_environment
+
+glibc_only = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's"
+)
+
+# A fresh interpreter without torch (whose import moves glibc's adaptive thresholds): eight 1 MiB blocks
+# written and freed, five times; prints the minor page faults of each round.
+_ROUNDS = textwrap.dedent(
+    """
+    import ctypes, importlib.util, resource, sys
+    spec = importlib.util.spec_from_file_location("heap", sys.argv[1])
+    heap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heap)
+    if sys.argv[2] == "tuned":
+        assert heap.keep_freed_memory()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    faults = []
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [libc.malloc(1 << 20) for _ in range(8)]
+        for b in blocks:
+            ctypes.memset(b, 1, 1 << 20)
+        for b in blocks:
+            libc.free(b)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(*faults)
+    """
+)
+
+
+def _faults_per_round(mode: str) -> list[int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _ROUNDS, smp_compat.heap.__file__, mode],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return [int(n) for n in out.stdout.split()]
+
+
+def test_run_exports_the_switch_only_when_asked(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    tuned = plan_launch(["--tune-malloc", "--nproc-per-node", "2", str(script)], environ={})
+    assert tuned.env_updates[TUNE_MALLOC_ENV] == "1"
+    assert "--tune-malloc" not in tuned.command  # torchrun does not know it
+    plain = plan_launch(["--nproc-per-node", "2", str(script)], environ={})
+    assert TUNE_MALLOC_ENV not in plain.env_updates
+
+
+def test_unset_switch_leaves_malloc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    called = []
+    monkeypatch.setattr(smp_compat.heap, "keep_freed_memory", lambda: called.append(1) or True)
+    assert tune_from_environment({}) is False
+    assert tune_from_environment({TUNE_MALLOC_ENV: "0"}) is False
+    assert called == []
+    assert tune_from_environment({TUNE_MALLOC_ENV: "1"}) is True
+    assert called == [1]
+
+
+@glibc_only
+def test_freed_memory_is_faulted_in_again_by_default_and_kept_when_tuned() -> None:
+    default, tuned = _faults_per_round("default"), _faults_per_round("tuned")
+    pages = 8 * (1 << 20) // resource.getpagesize()
+    assert min(default[1:]) > pages // 2, default  # glibc gave the 8 MiB back each round
+    assert max(tuned[1:]) < pages // 16, tuned  # kept: written again without faults
