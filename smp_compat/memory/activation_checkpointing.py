@@ -14,7 +14,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from smp_compat.errors import PartitionError, SMPConfigError, StepUsageError
 from smp_compat.globalstate import state
+from smp_compat.memory.recompute_buffers import buffer_guard
 
 __all__ = [
     "set_activation_checkpointing", "checkpoint", "checkpoint_sequential", "apply_activation_checkpointing",
@@ -106,7 +107,7 @@ def _apply(module: nn.Module, options: _Options, model: Any) -> None:
                       "checkpoint its children instead.", stacklevel=3)  # fmt: skip
         return
     local = _local_forward(module)
-    _wrap_local_forward(module, lambda *a, **kw: _run_checkpointed(local, options.preserve_rng_state, *a, **kw))
+    _wrap_local_forward(module, lambda *a, **kw: _run_checkpointed(local, options.preserve_rng_state, (module,), *a, **kw))
 
 
 def _local_forward(module: nn.Module) -> Callable[..., Any]:
@@ -122,11 +123,14 @@ def _wrap_local_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     module._smp_checkpointed = True
 
 
-def _run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, *args: Any, **kwargs: Any) -> Any:
+def _run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, modules: Sequence[nn.Module], *args: Any,
+                      **kwargs: Any) -> Any:  # fmt: skip
+    """``fn`` (the forward of ``modules``) checkpointed; its recomputation leaves the modules' buffers alone."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     with _offloading():
-        return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                                context_fn=buffer_guard(modules), **kwargs)  # fmt: skip
 
 
 def _offloading() -> contextlib.AbstractContextManager[Any]:
@@ -162,7 +166,7 @@ def _grouped_forward(seq: nn.Sequential, options: _Options) -> Callable[..., Any
                     inp = child(inp)
                 return inp
 
-            x = _run_checkpointed(run, options.preserve_rng_state, x)
+            x = _run_checkpointed(run, options.preserve_rng_state, children[start:stop], x)
         return x
 
     return forward
@@ -185,7 +189,7 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -
     if rank is not None and rank != engine.pp_rank:
         with remote_checkpointing(preserve_rng_state):  # never recompute a remote call inside autograd here
             return module(*args)
-    return _run_checkpointed(module, preserve_rng_state, *args)
+    return _run_checkpointed(module, preserve_rng_state, (module,), *args)
 
 
 _request = threading.local()
@@ -207,11 +211,13 @@ def requested_checkpointing() -> bool | None:
     return getattr(_request, "options", None)
 
 
-def run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool | None, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, checkpointed when ``preserve_rng_state`` is not None (owner side of a request)."""
+def run_checkpointed(fn: Callable[..., Any], preserve_rng_state: bool | None, module: nn.Module, *args: Any,
+                     **kwargs: Any) -> Any:  # fmt: skip
+    """``fn(*args, **kwargs)`` (a call into ``module``), checkpointed when ``preserve_rng_state`` is not None
+    (owner side of a request)."""
     if preserve_rng_state is None:
         return fn(*args, **kwargs)
-    return _run_checkpointed(fn, preserve_rng_state, *args, **kwargs)
+    return _run_checkpointed(fn, preserve_rng_state, (module,), *args, **kwargs)
 
 
 def checkpoint_sequential(

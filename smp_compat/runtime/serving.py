@@ -39,6 +39,7 @@ class ServingSide:
     _arrivals: Iterator[int]
     _served_from: collections.defaultdict[int, Iterator[int]]
     pp_members: list[int]
+    placement: Any
 
     if TYPE_CHECKING:
 
@@ -84,7 +85,8 @@ class ServingSide:
             inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
             args, kwargs = fill_tensors(meta["skeleton"], inputs)
             with torch.set_grad_enabled(meta["grad"]), autocast_as(meta["amp"]):
-                result = run_checkpointed(self.run_target, meta["checkpoint"], meta["target"], args, kwargs)
+                module = self.placement.modules[meta["target"][1]]
+                result = run_checkpointed(self.run_target, meta["checkpoint"], module, meta["target"], args, kwargs)
             skeleton, outputs = flatten_tensors(result)
         except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
             root = root_of(exc, self.rank, self._describe(meta["target"]), f"microbatch {mb}, forward")
