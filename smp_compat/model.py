@@ -158,6 +158,7 @@ class DistributedModel(TensorParallelQueries, nn.Module):
         call = active_call()
         divisor = call.num_microbatches if self.average_grads_across_microbatches and call is not None else 1
         if grad_tensors is None:  # one fill per seed, not ones_like and a division (two kernels per microbatch)
+            _require_scalars(tensors)
             grad_tensors = [torch.full_like(t, _seed_value(t.dtype, divisor)) for t in tensors]
         else:
             grad_tensors = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
@@ -429,6 +430,18 @@ def _to_16bit(value: Any) -> Any:
 def _to_float32(value: Any) -> Any:
     """...and floating outputs back to fp32, so losses are computed in fp32."""
     return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def _require_scalars(tensors: list[torch.Tensor]) -> None:
+    """Without grad_tensors only a one-element tensor has an implied gradient, as in ``loss.backward()``;
+    seeding a per-sample loss with ones would silently train on its sum."""
+    for t in tensors:
+        if t.numel() != 1:
+            raise StepUsageError(
+                f"model.backward() got a tensor of shape {tuple(t.shape)} and no grad_tensors: only a scalar's "
+                "gradient is implied (loss.backward() raises the same). Reduce the loss first (loss.mean()), or "
+                "pass grad_tensors."
+            )
 
 
 @functools.lru_cache(maxsize=64)

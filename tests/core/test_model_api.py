@@ -97,6 +97,24 @@ def test_retain_graph_is_unsupported() -> None:
         step(model, *make_data(4, 1))
 
 
+def test_backward_of_a_per_sample_loss_without_grad_tensors_is_refused() -> None:
+    """loss.backward() refuses a non-scalar loss; seeding it with ones would silently train on the sum."""
+    model, _ = _wrapped()
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y, reduction="none")
+        model.backward(loss, grad)
+        return loss.mean()
+
+    x, y = make_data(4, 1)
+    with pytest.raises(StepUsageError, match=r"shape \(4, 3\) and no grad_tensors.*loss\.mean\(\)"):
+        step(model, x, y, None)
+    assert all(p.grad is None for p in model.parameters())
+    step(model, x, y, torch.ones_like(y) / 4)  # explicit gradients are fine
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_second_distributed_model_is_refused() -> None:
     smp.init({})
     smp.DistributedModel(make_net())
