@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -74,12 +75,13 @@ def _reduce_before_step(optimizer: torch.optim.Optimizer) -> None:
     gradients reduced here, right before the update."""
     original_step = optimizer.step
 
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def step(_: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if state.model is not None:
             state.model.reduce_plain_gradients()
         return original_step(*args, **kwargs)
 
-    optimizer.step = step  # type: ignore[method-assign]
+    # a bound method, as torch's LR schedulers expect when they wrap optimizer.step (they rebind its __func__)
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
 
 def _patch(optimizer: torch.optim.Optimizer) -> None:

@@ -19,6 +19,7 @@ broadcast after the wrapper has copied the updated masters into the 16-bit param
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -45,8 +46,9 @@ class OptimizerSharding:
         self._outer = outer
         self._step = outer.step
         self._zero_grad = outer.zero_grad
-        outer.step = self.step
-        outer.zero_grad = self.zero_grad
+        # bound to ``outer``: torch's LR schedulers rebind ``outer.step.__func__`` to the optimizer they wrap
+        outer.step = types.MethodType(lambda _, *args, **kwargs: self.step(*args, **kwargs), outer)
+        outer.zero_grad = types.MethodType(lambda _, set_to_none=True: self.zero_grad(set_to_none), outer)
 
     def apply(self, model: Any) -> None:
         """Split the local parameters among the rdp ranks and drop the others from the param groups."""
