@@ -62,6 +62,8 @@ class DistributedModel(TensorParallelQueries, nn.Module):
                 "once (put several networks under one nn.Module if you need more than one)."
             )
         _check_model_args(module, trace_device, backward_passes_per_step, bucket_cap_mb)
+        if (state.cfg.fp16 or state.cfg.bf16) and not sdp.enabled():
+            _check_built_in_16_bit(module)
         super().__init__()
         module, compiler = unwrap_compiled(module)  # torch.compile(model): partition the model itself
         self.module = _swap_for_tensor_parallelism(module)
@@ -415,6 +417,20 @@ def _check_model_args(module: Any, trace_device: str, backward_passes: Any, buck
         raise SMPConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes!r}.")
     if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
         raise SMPConfigError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")
+
+
+def _check_built_in_16_bit(module: nn.Module) -> None:
+    """fp16/bf16 (without sharded data parallelism) train the model's own 16-bit weights: a model built in
+    fp32 would fail at its first layer with a dtype mismatch deep in torch, so say what SMP required instead."""
+    floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    if floating and all(dtype == torch.float32 for dtype in floating):
+        name = "fp16" if state.cfg.fp16 else "bf16"
+        dtype = "float16" if state.cfg.fp16 else "bfloat16"
+        raise SMPConfigError(
+            f"{name} is on but every parameter of the model is float32. As in SMP, build the model inside "
+            f"`with smp.model_creation(dtype=torch.{dtype}):` (or convert it with .to(torch.{dtype})) before "
+            "smp.DistributedModel; DistributedOptimizer then keeps fp32 master weights."
+        )
 
 
 def _sixteen_bit_dtype() -> torch.dtype:

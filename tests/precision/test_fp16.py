@@ -219,3 +219,22 @@ def test_fp16_checkpoint_resume_is_bitwise(tmp_path) -> None:
             assert a[key].keys() == b[key].keys()
             for name in a[key]:
                 assert torch.equal(a[key][name], b[key][name]), (key, name)
+
+
+@pytest.mark.parametrize("key", ["fp16", "bf16"])
+def test_a_model_built_in_fp32_is_refused_with_the_fix(key: str) -> None:
+    """SMP required smp.model_creation(dtype=...) for fp16; without it the first layer failed deep in torch."""
+
+    def wrap() -> str:
+        import smp_compat as smp
+        from smp_compat.errors import SMPConfigError
+
+        smp.init({key: True})
+        try:
+            smp.DistributedModel(_mlp())
+        except SMPConfigError as exc:
+            return str(exc)
+        return "accepted"
+
+    (message,) = run_ranks(wrap, 1, timeout=60)
+    assert "every parameter of the model is float32" in message and "smp.model_creation(dtype=torch." in message
