@@ -1,4 +1,5 @@
-"""``smp-compat run --bind-cores``: the launcher exports the switch, and smp.init pins each local rank."""
+"""``smp-compat run --bind-cores``: the launcher exports the switch (and ``--tune-malloc``'s), and smp.init pins each
+local rank."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import smp_compat as smp
 from smp_compat.globalstate import BIND_ENV, bind_from_environment, core_share
 from smp_compat.cli.run import plan_launch
+from smp_compat.heap import TUNE_MALLOC_ENV
 from smp_compat.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux core affinity")
@@ -32,14 +34,15 @@ def test_core_share_rejects_a_rank_outside_the_node() -> None:
         core_share([0, 1], 2, 2)
 
 
-def test_run_exports_the_switch_only_when_asked(tmp_path) -> None:
+@pytest.mark.parametrize(("flag", "variable"), [("--bind-cores", BIND_ENV), ("--tune-malloc", TUNE_MALLOC_ENV)])
+def test_run_exports_each_switch_only_when_asked(tmp_path, flag: str, variable: str) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
-    bound = plan_launch(["--bind-cores", "--nproc-per-node", "2", str(script)], environ={})
-    assert bound.env_updates[BIND_ENV] == "1"
-    assert "--bind-cores" not in bound.command  # torchrun does not know it
-    unbound = plan_launch(["--nproc-per-node", "2", str(script)], environ={})
-    assert BIND_ENV not in unbound.env_updates
+    on = plan_launch([flag, "--nproc-per-node", "2", str(script)], environ={})
+    assert on.env_updates[variable] == "1"
+    assert flag not in on.command  # torchrun does not know it
+    off = plan_launch(["--nproc-per-node", "2", str(script)], environ={})
+    assert variable not in off.env_updates
 
 
 def test_unset_switch_leaves_the_affinity_alone() -> None:

@@ -1,4 +1,4 @@
-"""``smp-compat run --tune-malloc``: the launcher exports the switch, and freed memory then stays in the heap."""
+"""``smp-compat run --tune-malloc`` (the launcher side is in test_bind_cores.py): freed memory then stays in the heap."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ import resource
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import smp_compat.heap
-from smp_compat.cli.run import plan_launch
 from smp_compat.heap import TUNE_MALLOC_ENV, tune_from_environment
 
 glibc_only = pytest.mark.skipif(
@@ -51,16 +49,6 @@ def _faults_per_round(mode: str) -> list[int]:
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return [int(n) for n in out.stdout.split()]
-
-
-def test_run_exports_the_switch_only_when_asked(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text("")
-    tuned = plan_launch(["--tune-malloc", "--nproc-per-node", "2", str(script)], environ={})
-    assert tuned.env_updates[TUNE_MALLOC_ENV] == "1"
-    assert "--tune-malloc" not in tuned.command  # torchrun does not know it
-    plain = plan_launch(["--nproc-per-node", "2", str(script)], environ={})
-    assert TUNE_MALLOC_ENV not in plain.env_updates
 
 
 def test_unset_switch_leaves_malloc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
