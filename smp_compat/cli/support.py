@@ -83,7 +83,7 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("shutdown", _S, "", ""),
     ]),
     ("Steps", [
-        ("step", _S, "non_split_inputs, input_split_axes, detach_outputs and smp_slice as in SMP.", ""),
+        ("step", _S, "non_split_inputs, input_split_axes, detach_outputs and smp_slice as in SMP; decorates functions and methods alike.", ""),
         ("StepOutput", _S, "", ""),
     ]),
     ("Model and optimizer", [

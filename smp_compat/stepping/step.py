@@ -127,6 +127,12 @@ class StepFunction:
             model._finish_step()
         return merge_step_outputs(outputs)
 
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """``@smp.step`` on a method (``def train_step(self, model, x)``) binds like a plain function."""
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
     def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], num_mb: int) -> list[tuple[tuple, dict]]:
         return split_step_inputs(self.func, args, kwargs, num_mb, self.non_split_inputs, self.input_split_axes)
 

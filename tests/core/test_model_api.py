@@ -19,6 +19,7 @@ from smp_compat.errors import (
     StepUsageError,
     TensorSplitError,
 )
+from smp_compat.stepping.step import StepFunction
 from smp_compat.testing import run_ranks
 
 __all__: list[str] = []
@@ -113,6 +114,36 @@ def test_backward_of_a_per_sample_loss_without_grad_tensors_is_refused() -> None
     assert all(p.grad is None for p in model.parameters())
     step(model, x, y, torch.ones_like(y) / 4)  # explicit gradients are fine
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_step_decorates_a_method_as_it_does_a_function() -> None:
+    """``@smp.step`` on ``def train_step(self, model, x, y)`` binds ``self`` like any method."""
+    model, _ = _wrapped({"microbatches": 2})
+
+    class Loop:
+        scale = 3.0
+
+        @smp.step
+        def train_step(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = self.scale * F.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+    x, y = make_data(4, 1)
+    loss = Loop().train_step(model, x, y).reduce_mean()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = 3.0 * F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    torch.testing.assert_close(loss, train_step(model, x, y).reduce_mean())
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    assert isinstance(Loop.train_step, StepFunction)  # on the class: the step function itself
 
 
 def test_second_distributed_model_is_refused() -> None:
