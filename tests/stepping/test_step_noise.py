@@ -84,7 +84,9 @@ def test_smp_fp16_optimizer_and_optimizer_wrappers_pass_silently() -> None:
     import smp_compat as smp
 
     smp.init({"fp16": True})
-    model = smp.DistributedModel(nn.Linear(2, 2))
+    with smp.model_creation(dtype=torch.float16):
+        net = nn.Linear(2, 2)
+    model = smp.DistributedModel(net)
     fp16_optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert not isinstance(fp16_optimizer, torch.optim.Optimizer)  # the wrapper, as in SMP
     with warnings.catch_warnings():
