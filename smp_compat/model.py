@@ -420,8 +420,8 @@ def _check_model_args(module: Any, trace_device: str, backward_passes: Any, buck
 
 
 def _check_built_in_16_bit(module: nn.Module) -> None:
-    """fp16/bf16 (without sharded data parallelism) train the model's own 16-bit weights: a model built in
-    fp32 would fail at its first layer with a dtype mismatch deep in torch, so say what SMP required instead."""
+    """fp16/bf16 (without sharded data parallelism) train the model's own 16-bit weights. A model built in fp32
+    failed at its first layer with a dtype mismatch deep in torch, or, fed integer ids, silently trained in fp32."""
     floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
     if floating and all(dtype == torch.float32 for dtype in floating):
         name = "fp16" if state.cfg.fp16 else "bf16"

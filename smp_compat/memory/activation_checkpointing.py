@@ -106,8 +106,8 @@ def _apply(module: nn.Module, options: _Options, model: Any) -> None:
         warnings.warn(f"{type(module).__name__} spans pipeline ranks, so it is not checkpointed (as in SMP); "
                       "checkpoint its children instead.", stacklevel=3)  # fmt: skip
         return
-    local = _local_forward(module)
-    _wrap_local_forward(module, lambda *a, **kw: _run_checkpointed(local, options.preserve_rng_state, (module,), *a, **kw))
+    local, rng = _local_forward(module), options.preserve_rng_state
+    _wrap_local_forward(module, lambda *a, **kw: _run_checkpointed(local, rng, (module,), *a, **kw))
 
 
 def _local_forward(module: nn.Module) -> Callable[..., Any]:

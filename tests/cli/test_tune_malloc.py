@@ -1,4 +1,4 @@
-"""``smp-compat run --tune-malloc`` (the launcher side is in test_bind_cores.py): freed memory then stays in the heap."""
+"""``smp-compat run --tune-malloc``: freed memory then stays in the heap (the launcher side: test_bind_cores.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ _ROUNDS = textwrap.dedent(
     if sys.argv[2] == "tuned":
         assert heap.keep_freed_memory()
     libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     faults = []
     for _ in range(5):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
