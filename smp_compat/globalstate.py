@@ -21,7 +21,7 @@ import torch.distributed as dist
 from smp_compat import failure
 from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError
-from smp_compat.heap import tune_from_environment
+from smp_compat.heap import TRIM_BYTES, TUNE_MALLOC_ENV, keep_freed_memory
 from smp_compat.launch import LaunchEnv, detect_launch
 from smp_compat.topology import Topology
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from smp_compat.model import DistributedModel
 
 __all__ = ["state", "init", "is_initialized", "reset", "shutdown", "AXES_WITH_GROUPS", "BIND_ENV", "bind_from_environment",
-           "core_share"]
+           "core_share", "tune_from_environment"]
 
 log = logging.getLogger("smp_compat")
 
@@ -242,7 +242,7 @@ def shutdown() -> None:
     reset()
 
 
-# ---------------------------------------------------------------- core binding
+# ---------------------------------------------------------------- launcher switches: core binding, malloc tuning
 # Core binding: each local rank pinned to its own share of the cores (``smp-compat run --bind-cores``).
 # 
 # Unbound, the OS moves a rank's threads between cores, and a thread it wakes may land on a core that
@@ -286,8 +286,7 @@ def bind_process(cores: set[int]) -> None:
 
 def bind_from_environment(local_rank: int, local_size: int, environ: Mapping[str, str] | None = None) -> set[int] | None:
     """Bind this process to its share of the cores it may use when ``SMP_COMPAT_BIND_CORES=1``; the cores, or None."""
-    env = os.environ if environ is None else environ
-    if env.get(BIND_ENV, "").strip() not in ("1", "true", "True"):
+    if not _switched_on(BIND_ENV, environ):
         return None
     if not hasattr(os, "sched_setaffinity"):
         log.warning("%s is set but this platform cannot bind threads to cores; running unbound", BIND_ENV)
@@ -296,3 +295,21 @@ def bind_from_environment(local_rank: int, local_size: int, environ: Mapping[str
     bind_process(cores)
     log.info("local rank %d bound to cores %s", local_rank, sorted(cores))
     return cores
+
+
+def tune_from_environment(environ: Mapping[str, str] | None = None) -> bool:
+    """Apply ``heap.keep_freed_memory`` when ``SMP_COMPAT_TUNE_MALLOC=1`` (``smp-compat run --tune-malloc``);
+    whether it was applied."""
+    if not _switched_on(TUNE_MALLOC_ENV, environ):
+        return False
+    if not keep_freed_memory():
+        log.warning("%s is set but the C library is not glibc; malloc is left as it is", TUNE_MALLOC_ENV)
+        return False
+    log.info("malloc keeps up to %d MiB of freed memory per heap (%s)", TRIM_BYTES >> 20, TUNE_MALLOC_ENV)
+    return True
+
+
+def _switched_on(name: str, environ: Mapping[str, str] | None) -> bool:
+    """A launcher switch (``smp-compat run`` exports ``1``) in ``environ``, the process environment by default."""
+    env = os.environ if environ is None else environ
+    return env.get(name, "").strip() in ("1", "true", "True")

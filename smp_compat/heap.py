@@ -12,17 +12,13 @@ freed memory may stay with each heap, so this is opt-in, like core binding.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import platform
-from collections.abc import Mapping
 
-__all__ = ["TUNE_MALLOC_ENV", "TRIM_BYTES", "MMAP_BYTES", "keep_freed_memory", "tune_from_environment"]
-
-log = logging.getLogger("smp_compat")
+__all__ = ["TUNE_MALLOC_ENV", "TRIM_BYTES", "MMAP_BYTES", "keep_freed_memory"]
 
 TUNE_MALLOC_ENV = "SMP_COMPAT_TUNE_MALLOC"
-"""Set to ``1`` (``smp-compat run --tune-malloc`` does) to keep freed memory in the heap, from ``smp.init`` on."""
+"""Set to ``1`` (``smp-compat run --tune-malloc`` does) to keep freed memory in the heap, from ``smp.init`` on
+(``globalstate.tune_from_environment``)."""
 
 TRIM_BYTES = 64 << 20
 """Free memory a heap keeps at its top before returning any to the OS."""
@@ -43,14 +39,3 @@ def keep_freed_memory(trim_bytes: int = TRIM_BYTES, mmap_bytes: int = MMAP_BYTES
     # mmap first: setting either fixes both (no more adapting), and trim above mmap keeps mapped-size blocks
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
-
-def tune_from_environment(environ: Mapping[str, str] | None = None) -> bool:
-    """Apply ``keep_freed_memory`` when ``SMP_COMPAT_TUNE_MALLOC=1``; whether it was applied."""
-    env = os.environ if environ is None else environ
-    if env.get(TUNE_MALLOC_ENV, "").strip() not in ("1", "true", "True"):
-        return False
-    if not keep_freed_memory():
-        log.warning("%s is set but the C library is not glibc; malloc is left as it is", TUNE_MALLOC_ENV)
-        return False
-    log.info("malloc keeps up to %d MiB of freed memory per heap (%s)", TRIM_BYTES >> 20, TUNE_MALLOC_ENV)
-    return True

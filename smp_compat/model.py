@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from smp_compat import sdp
 from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
 from smp_compat.memory.activation_checkpointing import apply_activation_checkpointing
 from smp_compat.memory.materialize import check_initialized, materialize_local
+from smp_compat.precision.module16 import check_built_in_16_bit, to_16bit, to_float32
 from smp_compat.runtime.compiling import Compiler, unwrap_compiled
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
@@ -63,7 +63,7 @@ class DistributedModel(TensorParallelQueries, nn.Module):
             )
         _check_model_args(module, trace_device, backward_passes_per_step, bucket_cap_mb)
         if (state.cfg.fp16 or state.cfg.bf16) and not sdp.enabled():
-            _check_built_in_16_bit(module)
+            check_built_in_16_bit(module)
         super().__init__()
         module, compiler = unwrap_compiled(module)  # torch.compile(model): partition the model itself
         self.module = _swap_for_tensor_parallelism(module)
@@ -105,8 +105,8 @@ class DistributedModel(TensorParallelQueries, nn.Module):
             self._start_plain_step()
         run = self._root_forward()
         if state.cfg.fp16 or state.cfg.bf16:
-            args, kwargs = _to_16bit((args, kwargs))
-            return _to_float32(run(*args, **kwargs))
+            args, kwargs = to_16bit((args, kwargs))
+            return to_float32(run(*args, **kwargs))
         return run(*args, **kwargs)
 
     def _root_forward(self) -> Callable[..., Any]:
@@ -417,35 +417,6 @@ def _check_model_args(module: Any, trace_device: str, backward_passes: Any, buck
         raise SMPConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes!r}.")
     if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
         raise SMPConfigError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}.")
-
-
-def _check_built_in_16_bit(module: nn.Module) -> None:
-    """fp16/bf16 (without sharded data parallelism) train the model's own 16-bit weights. A model built in fp32
-    failed at its first layer with a dtype mismatch deep in torch, or, fed integer ids, silently trained in fp32."""
-    floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
-    if floating and all(dtype == torch.float32 for dtype in floating):
-        name = "fp16" if state.cfg.fp16 else "bf16"
-        dtype = "float16" if state.cfg.fp16 else "bfloat16"
-        raise SMPConfigError(
-            f"{name} is on but every parameter of the model is float32. As in SMP, build the model inside "
-            f"`with smp.model_creation(dtype=torch.{dtype}):` (or convert it with .to(torch.{dtype})) before "
-            "smp.DistributedModel; DistributedOptimizer then keeps fp32 master weights."
-        )
-
-
-def _sixteen_bit_dtype() -> torch.dtype:
-    return torch.float16 if state.cfg.fp16 else torch.bfloat16
-
-
-def _to_16bit(value: Any) -> Any:
-    """SMP's 16-bit module: floating inputs are cast to the model's 16-bit dtype..."""
-    dtype = _sixteen_bit_dtype()
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
-
-
-def _to_float32(value: Any) -> Any:
-    """...and floating outputs back to fp32, so losses are computed in fp32."""
-    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
 
 
 def _require_scalars(tensors: list[torch.Tensor]) -> None:

@@ -22,6 +22,7 @@ from smp_compat.stepping import grads
 from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import process_group, state
+from smp_compat.precision.module16 import sixteen_bit_dtype
 from smp_compat.sdp.mesh import build_mesh
 from smp_compat.sdp.tp import is_tp_shard, restore_tp_marks, tp_marks
 
@@ -105,10 +106,9 @@ def _params_outside(root: nn.Module, units: list[nn.Module]) -> set[int]:
 
 def mixed_precision() -> MixedPrecisionPolicy:
     """fp32 sharded masters; 16-bit compute when the config asks for it, gradients reduced in fp32."""
-    cfg = state.cfg
-    if cfg.fp16 or cfg.bf16:
-        dtype = torch.float16 if cfg.fp16 else torch.bfloat16
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # outputs: DistributedModel.forward
+    if state.cfg.fp16 or state.cfg.bf16:
+        # outputs: DistributedModel.forward
+        return MixedPrecisionPolicy(param_dtype=sixteen_bit_dtype(), reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 

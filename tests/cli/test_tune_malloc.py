@@ -10,8 +10,10 @@ import textwrap
 
 import pytest
 
+import smp_compat.globalstate
 import smp_compat.heap
-from smp_compat.heap import TUNE_MALLOC_ENV, tune_from_environment
+from smp_compat.globalstate import tune_from_environment
+from smp_compat.heap import TUNE_MALLOC_ENV
 
 glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's"
@@ -54,7 +56,7 @@ def _faults_per_round(mode: str) -> list[int]:
 
 def test_unset_switch_leaves_malloc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     called = []
-    monkeypatch.setattr(smp_compat.heap, "keep_freed_memory", lambda: called.append(1) or True)
+    monkeypatch.setattr(smp_compat.globalstate, "keep_freed_memory", lambda: called.append(1) or True)
     assert tune_from_environment({}) is False
     assert tune_from_environment({TUNE_MALLOC_ENV: "0"}) is False
     assert called == []
