@@ -3,7 +3,9 @@
 One process group per (sender, receiver) direction: sends and receives match by order on their own
 channel, never by timing or tags (NCCL has none). Sends start asynchronously from the calling thread,
 which waits only for sends older than the last two (done in practice) to reuse their buffers; one
-receiver thread per peer delivers what arrives.
+receiver thread per peer delivers what arrives. The thread is needed: a gloo receive cannot be polled
+(``is_completed()`` stays False until ``wait()``, ``get_future()`` is missing for p2p, and a ``wait`` with a
+timeout closes the connection when it expires).
 
 A message (pickled kind, metadata and tensor specs, then the tensors' bytes) is packed into ONE
 buffer. On gloo each extra send cost ~2 ms here (a message that arrives before its receive is
