@@ -57,7 +57,7 @@ class BackwardSide:
         self._drive_backward(ctx, tensors, grad_tensors)
 
     def _drive_backward(self, ctx: Context, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """Local segment, then one more segment per batch of leaf gradients the owners return."""
+        """Local segment, then one more segment per batch of input gradients the owners return."""
         driver = Driver(ctx.task)
         self._segment(driver, roots, grads)
         ready_replies = _arrived if self.lockstep is None else lockstep_replies(ctx.task, driver, self.rank)
@@ -75,7 +75,7 @@ class BackwardSide:
                 if reply.kind == "bwd_err":
                     raise RemoteError(f"backward failed on rank {reply.src}:\n{reply.meta['error']}",
                                       reply.meta.get("root"))  # fmt: skip
-                for (call_id, _, i), g in zip(reply.meta["leaves"], reply.tensors):
+                for (call_id, _, i), g in zip(reply.meta["inputs"], reply.tensors):
                     t = self._record(call_id).grad_inputs[i]
                     if t is not None:
                         roots.append(t)

@@ -35,6 +35,7 @@ from smp_compat.runtime.remote import (
     RemoteOutputs,
     RemoteTensor,
     ValueId,
+    anchor,
     context,
 )
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
@@ -179,9 +180,9 @@ class PipelineEngine(BackwardSide, ServingSide):
 
     def _encode_inputs(self, calls: MicrobatchCalls, record: CallRecord, tensors: list[torch.Tensor],
                        grad: bool) -> tuple[list[tuple], list[torch.Tensor]]:  # fmt: skip
-        """Each input as a reference to a value the owner already holds, or as data (a new leaf there).
+        """Each input as a reference to a value the owner already holds, or as data (a new received input there).
 
-        ``record.grad_inputs[i]`` is the caller's tensor behind the owner's leaf ``(call, "in", i)``.
+        ``record.grad_inputs[i]`` is the caller's tensor behind the owner's received input ``(call, "in", i)``.
         """
         specs, data = [], []
         for t in tensors:
@@ -202,7 +203,7 @@ class PipelineEngine(BackwardSide, ServingSide):
     def _held_by_owner(self, calls: MicrobatchCalls, owner: int, t: torch.Tensor) -> ValueId | None:
         """The owner's value for ``t`` when it has it already (a result it produced, or data sent before)."""
         if isinstance(t, RemoteTensor):
-            if t._owner != owner:
+            if t._owner != owner or t.changed_here():
                 return None
             t._record.passed_on = True
             return t._value
@@ -230,7 +231,7 @@ class PipelineEngine(BackwardSide, ServingSide):
         differentiable = [j for j, (_, _, diff) in enumerate(specs) if grad and diff]
         if differentiable:
             record.out_values = [values[j] for j in differentiable]
-            attached = RemoteOutputs.apply(self, record, [outputs[j] for j in differentiable], _anchor())
+            attached = RemoteOutputs.apply(self, record, [outputs[j] for j in differentiable], anchor())
             for j, t in zip(differentiable, attached):
                 calls.remember(record.owner, t, values[j])
                 outputs[j] = t
@@ -251,7 +252,7 @@ class PipelineEngine(BackwardSide, ServingSide):
             return data
         sub = CallRecord(record.call_id, record.owner, record.microbatch, record.site, record.description, [],
                          out_values=[remote._value])  # fmt: skip
-        (attached,) = RemoteOutputs.apply(self, sub, [data], _anchor())
+        (attached,) = RemoteOutputs.apply(self, sub, [data], anchor())
         return attached
 
     def _await(self, ctx: Context | None, key: tuple[int, int], what: str) -> Message:
@@ -371,16 +372,6 @@ class PipelineEngine(BackwardSide, ServingSide):
 
 
 # ---------------------------------------------------------------------- helpers
-_ANCHOR: list[torch.Tensor] = []
-
-
-def _anchor() -> torch.Tensor:
-    """A leaf that requires grad, so RemoteOutputs is recorded by autograd even if no input needs grad."""
-    if not _ANCHOR:
-        _ANCHOR.append(torch.zeros((), device="cpu", requires_grad=True))  # not on a default device set by a mode
-    return _ANCHOR[0]
-
-
 def _detach(value: Any) -> Any:
     skeleton, tensors = flatten_tensors(value)
     return fill_tensors(skeleton, [t.detach() for t in tensors])

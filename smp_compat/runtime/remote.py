@@ -3,12 +3,12 @@
 The graph is cut at every rank boundary. The owner of a module keeps, per (caller, microbatch),
 every tensor a call received or produced as a *value*: a later call may refer to a value instead
 of sending its data again (results rank 0 only passes on stay where they are). Received tensors
-that need gradients are *leaves* on the owner.
+that need gradients come out of ``ReceivedInputs``, whose backward keeps their gradients for the caller.
 
 Backward: a remote call's outputs come back through ``RemoteOutputs``, whose backward only *sends*
 the output gradients to the owner. The task that drives the backward then waits, outside
-autograd, for the owner's reply (the gradients its leaves collected) and runs the next local
-segment from the caller's tensors that those leaves stand for. So autograd never waits on the
+autograd, for the owner's reply (the gradients its received inputs collected) and runs the next local
+segment from the caller's tensors that those inputs stand for. So autograd never waits on the
 network, also on CUDA where it runs on device threads.
 """
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from smp_compat.runtime.tasks import Task
 
 __all__ = [
-    "CallId", "ValueId", "CallRecord", "MicrobatchCalls", "Hosted", "Driver", "RemoteOutputs", "RemoteTensor",
-    "context", "set_context",
+    "CallId", "ValueId", "CallRecord", "MicrobatchCalls", "Hosted", "Driver", "RemoteOutputs", "ReceivedInputs",
+    "RemoteTensor", "anchor", "context", "set_context",
 ]  # fmt: skip
 
 CallId = tuple[int, int]  # (caller rank, sequence number): unique in the job
@@ -42,7 +42,7 @@ class CallRecord:
     microbatch: int
     site: tuple[Any, ...]
     description: str
-    grad_inputs: list[torch.Tensor | None]  # the caller's tensors behind the owner's leaves ("in", i)
+    grad_inputs: list[torch.Tensor | None]  # the caller's tensors behind the owner's received inputs ("in", i)
     out_values: list[ValueId] = field(default_factory=list)  # differentiable outputs
     triggered: bool = False  # an output got a gradient on this rank
     passed_on: bool = False  # an output was handed back to the owner as a reference
@@ -76,17 +76,13 @@ class Hosted:
     """Owner side: the values one caller's calls of one microbatch received or produced here."""
 
     values: dict[ValueId, torch.Tensor] = field(default_factory=dict)
-    leaves: list[tuple[ValueId, torch.Tensor]] = field(default_factory=list)
+    input_grads: dict[ValueId, torch.Tensor] = field(default_factory=dict)  # filled by ReceivedInputs.backward
     descriptions: dict[CallId, str] = field(default_factory=dict)  # module names, for error messages
 
-    def collect_leaf_grads(self) -> tuple[list[ValueId], list[torch.Tensor]]:
-        """Gradients the leaves gathered since the last collection (then cleared: report each once)."""
-        ids, grads = [], []
-        for value_id, leaf in self.leaves:
-            if leaf.grad is not None:
-                ids.append(value_id)
-                grads.append(leaf.grad)
-                leaf.grad = None
+    def collect_input_grads(self) -> tuple[list[ValueId], list[torch.Tensor]]:
+        """Gradients the received inputs gathered since the last collection (then cleared: report each once)."""
+        ids, grads = list(self.input_grads), list(self.input_grads.values())
+        self.input_grads.clear()
         return ids, grads
 
 
@@ -116,6 +112,40 @@ class RemoteOutputs(torch.autograd.Function):
         return None, None, None, None
 
 
+class ReceivedInputs(torch.autograd.Function):
+    """Identity on a call's received inputs that need gradients; its backward keeps their gradients.
+
+    Not leaves: a served module may change its input in place (``nn.ReLU(inplace=True)`` first), which
+    autograd refuses on a leaf that requires grad. ``sink`` is the ``Hosted.input_grads`` dict (not the
+    ``Hosted``, whose values hold these outputs: that would be a reference cycle).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, sink: dict, ids: list[ValueId], inputs: list[torch.Tensor], anchor: torch.Tensor) -> Any:
+        ctx.sink, ctx.ids = sink, ids
+        ctx.set_materialize_grads(False)
+        return tuple(inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        for value_id, g in zip(ctx.ids, grads):
+            if g is not None:
+                held = ctx.sink.get(value_id)
+                ctx.sink[value_id] = g if held is None else held + g
+        return None, None, None, None
+
+
+_ANCHOR: list[torch.Tensor] = []
+
+
+def anchor() -> torch.Tensor:
+    """A leaf that requires grad, so an identity Function above is recorded by autograd even though no
+    tensor argument of it needs grad."""
+    if not _ANCHOR:
+        _ANCHOR.append(torch.zeros((), device="cpu", requires_grad=True))  # not on a default device set by a mode
+    return _ANCHOR[0]
+
+
 class RemoteTensor(torch.Tensor):
     """A result that stays on its owner: metadata here, data fetched only if this rank uses it."""
 
@@ -124,12 +154,14 @@ class RemoteTensor(torch.Tensor):
     _value: ValueId
     _record: CallRecord
     _fetched: torch.Tensor | None
+    _fetched_version: int
 
     @staticmethod
     def __new__(cls, engine: Any, record: CallRecord, value: ValueId, shape: Any, dtype: torch.dtype,
                 device: torch.device, requires_grad: bool) -> RemoteTensor:  # fmt: skip
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
         t._engine, t._owner, t._value, t._record, t._fetched = engine, record.owner, value, record, None
+        t._fetched_version = 0
         return t
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -138,7 +170,12 @@ class RemoteTensor(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         if self._fetched is None:
             self._fetched = self._engine.fetch(self)
+            self._fetched_version = self._fetched._version
         return self._fetched
+
+    def changed_here(self) -> bool:
+        """Whether this rank changed its fetched copy in place: the owner's value is then out of date."""
+        return self._fetched is not None and self._fetched._version != self._fetched_version
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

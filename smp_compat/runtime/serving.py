@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smp_compat.memory.activation_checkpointing import run_checkpointed
-from smp_compat.runtime.remote import CallId, Context, Hosted, set_context
+from smp_compat.runtime.remote import CallId, Context, Hosted, ReceivedInputs, anchor, set_context
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.thread_state import autocast_as
@@ -101,17 +101,17 @@ class ServingSide:
         self._send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
 
     def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
-        inputs = []
+        inputs = [hosted.values[spec[1]] if spec[0] == "ref" else data[spec[1]] for spec in specs]
+        needs_grad = [i for i, spec in enumerate(specs) if spec[0] == "data" and spec[2]]
+        if needs_grad:
+            ids = [(call_id, "in", i) for i in needs_grad]
+            with torch.enable_grad():
+                attached = ReceivedInputs.apply(hosted.input_grads, ids, [inputs[i] for i in needs_grad], anchor())
+            for i, t in zip(needs_grad, attached):
+                inputs[i] = t
         for i, spec in enumerate(specs):
-            if spec[0] == "ref":
-                inputs.append(hosted.values[spec[1]])
-                continue
-            t = data[spec[1]]
-            if spec[2]:
-                t.requires_grad_()
-                hosted.leaves.append(((call_id, "in", i), t))
-            hosted.values[(call_id, "in", i)] = t
-            inputs.append(t)
+            if spec[0] == "data":
+                hosted.values[(call_id, "in", i)] = inputs[i]
         return inputs
 
     def _serve_backward(self, task: Task, message: Message) -> None:
@@ -127,8 +127,8 @@ class ServingSide:
             root = root_of(exc, self.rank, modules, f"microbatch {meta['mb']}, backward")
             self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)", root)
             return
-        leaves, grads = hosted.collect_leaf_grads()
-        self._send(message.src, "bwd_ok", {"req": meta["req"], "leaves": leaves}, grads)
+        inputs, grads = hosted.collect_input_grads()
+        self._send(message.src, "bwd_ok", {"req": meta["req"], "inputs": inputs}, grads)
 
     def _reply_error(self, message: Message, kind: str, key: str, description: str, root: RootCause) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
