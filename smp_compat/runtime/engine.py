@@ -38,6 +38,7 @@ from smp_compat.runtime.remote import (
     anchor,
     context,
 )
+from smp_compat.runtime.rng_streams import MicrobatchRng
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.backward import BackwardSide
 from smp_compat.runtime.lockstep import DECISION, create_lockstep
@@ -106,6 +107,8 @@ class PipelineEngine(BackwardSide, ServingSide):
             if state.cfg.deterministic_server
             else None
         )
+        self._rng = MicrobatchRng(state.device) if state.cfg.deterministic_server else None
+        self.scheduler.rng = self._rng
         self._step: StepRun | None = None
         self._end_step: Message | None = None
         self._closed = False
@@ -324,12 +327,16 @@ class PipelineEngine(BackwardSide, ServingSide):
         started = timeline.now()
         if self._ordered is not None:
             self._ordered.begin_step()
+        if self._rng is not None:
+            self._rng.begin_step()
         try:
             if self.pp_rank == 0:
                 outputs = self._drive_step(root, step_fn, call, microbatches)
             else:
                 outputs = self._serve_step(root)
         finally:
+            if self._rng is not None:
+                self._rng.switch(None)  # the caller's own stream, also when the step failed
             self.scheduler.release_root()
             self._step = None
         if self._ordered is not None:

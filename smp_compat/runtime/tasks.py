@@ -109,6 +109,7 @@ class Scheduler:
         self._workers: list[queue.SimpleQueue] = []
         self._context = contextvars.copy_context()
         self.lockstep: Any = None  # a Lockstep when tp peers of a pipeline stage must run tasks in one order
+        self.rng: Any = None  # a MicrobatchRng when each microbatch draws from its own random stream
 
     def adopt(self, name: str) -> Task:
         """Make the calling thread (the one in the step call) the root task; it holds the baton."""
@@ -226,6 +227,8 @@ class Scheduler:
                 self.fail(exc)
                 continue
             nxt.runnable = False
+            if self.rng is not None:
+                self.rng.switch(nxt.microbatch)
             if nxt is me:
                 return self._resume(me)
             if nxt.started:

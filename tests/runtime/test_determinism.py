@@ -57,3 +57,55 @@ def test_resume_with_four_microbatches_is_bitwise(tmp_path) -> None:
     run_ranks(_run, 2, str(tmp_path / "b"), range(2), 1, False, timeout=90)
     resumed = run_ranks(_run, 2, str(tmp_path / "b"), range(2, STEPS), None, True, timeout=90)
     assert _same(straight, resumed)
+
+
+class _DropoutAroundStage(torch.nn.Module):
+    """Dropout on rank 0 before and after a remote stage that has its own: the draws of rank 0's microbatches
+    interleave differently with one and with four microbatches in flight."""
+
+    def __init__(self) -> None:
+        import smp_compat as smp
+
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        with smp.partition(1):
+            self.mid = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(self.mid(self.drop(self.inp(x)))))
+
+
+def _run_dropout(in_flight: int, pipeline: str) -> dict[str, object]:
+    import smp_compat as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "auto_partition": False, "default_partition": 0,
+              "deterministic_server": True, "active_microbatches": in_flight, "pipeline": pipeline})  # fmt: skip
+    torch.manual_seed(0)
+    model = smp.DistributedModel(_DropoutAroundStage())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+        opt.zero_grad()
+        losses.append(train_step(model, x, y).reduce_mean())
+        opt.step()
+    params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return {"losses": torch.stack(losses), "params": params, "after": torch.rand(3)}
+
+
+def test_dropout_masks_do_not_depend_on_the_order_tasks_run_in() -> None:
+    one = run_ranks(_run_dropout, 2, 1, "simple", timeout=90)
+    four = run_ranks(_run_dropout, 2, 4, "interleaved", timeout=90)
+    for a, b in zip(one, four):
+        assert torch.equal(a["losses"], b["losses"]), (a["losses"], b["losses"])
+        assert _same([a["params"]], [b["params"]])
+        assert torch.equal(a["after"], b["after"])  # the caller's own generator went on the same way
