@@ -10,7 +10,12 @@ import torch
 
 from smp_compat import sdp
 from smp_compat.checkpoints import deferred_loads, optimizer_state, state_dicts
-from smp_compat.errors import CheckpointError, DistributedModelNotCreatedError, ParameterOwnershipError
+from smp_compat.errors import (
+    CheckpointError,
+    DistributedModelNotCreatedError,
+    ParameterOwnershipError,
+    SMPUnsupportedError,
+)
 from smp_compat.precision.fp16 import FP16Optimizer, LossScaler
 from smp_compat.globalstate import state
 from smp_compat.memory.optimizer_sharding import OptimizerSharding
@@ -59,15 +64,48 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
     return optimizer
 
 
-def _check_ownership(optimizer: torch.optim.Optimizer, model: Any) -> None:
+def _check_ownership(optimizer: torch.optim.Optimizer, model: Any, start: int = 0) -> None:
     owned = {id(p) for p in model.module.parameters()}
-    for gi, group in enumerate(optimizer.param_groups):
+    for gi, group in enumerate(optimizer.param_groups[start:], start):
         for p in group["params"]:
             if id(p) not in owned:
                 raise ParameterOwnershipError(
                     f"param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} that is not part of the "
                     "DistributedModel. Create the optimizer from model.parameters() after wrapping the model."
                 )
+
+
+def _patch_add_param_group(optimizer: torch.optim.Optimizer) -> None:
+    """A group added after wrapping joins the record of the user's groups (state dicts, loads), checked as
+    the groups at wrapping were. After partitioning, fp16/bf16 masters and optimizer-state shares are already
+    made for the groups then present, so a later group there would train wrong: refused."""
+    original_add = optimizer.add_param_group
+
+    def add_param_group(_: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        model = state.model
+        if model is None:  # after smp.reset(): nothing to record against
+            return original_add(param_group)
+        if model.partitioned:
+            _refuse_late_group()
+        original_add(param_group)
+        try:
+            _check_ownership(optimizer, model, start=len(optimizer.param_groups) - 1)
+        except ParameterOwnershipError:
+            optimizer.param_groups.pop()
+            raise
+        optimizer_state.record_added_group(optimizer, optimizer.param_groups[-1]["params"])
+
+    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
+
+
+def _refuse_late_group() -> None:
+    """fp16/bf16 masters and optimizer-state shares exist only for the groups present at partitioning."""
+    features = [k for k in ("fp16", "bf16", "shard_optimizer_state") if getattr(state.cfg, k)]
+    if features:
+        raise SMPUnsupportedError(
+            f"optimizer.add_param_group() after the model was partitioned (the first smp.step call) with "
+            f"{' and '.join(features)}; add the group before the first smp.step call"
+        )
 
 
 def _reduce_before_step(optimizer: torch.optim.Optimizer) -> None:
@@ -112,6 +150,7 @@ def _patch(optimizer: torch.optim.Optimizer) -> None:
         load_state_dict(state_dict)
 
     _reduce_before_step(optimizer)
+    _patch_add_param_group(optimizer)
     optimizer.state_dict = state_dict  # type: ignore[method-assign]
     optimizer.local_state_dict = local_state_dict  # type: ignore[attr-defined]
     optimizer.local_optimizer_state_dict = local_state_dict  # type: ignore[attr-defined]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,8 +71,16 @@ def make_batches(steps: int, batch: int, seq: int = 8, vocab: int = 32, seed: in
 
 def reference_training(steps: int, batch: int, lr: float = 1e-2) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process PyTorch on the global batch: the oracle every parallel run must match."""
+    losses, model, _ = plain_training(steps, batch, lambda m: torch.optim.Adam(m.parameters(), lr=lr))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def plain_training(
+    steps: int, batch: int, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+) -> tuple[list[float], TinyTransformer, torch.optim.Optimizer]:
+    """``reference_training`` with any optimizer (built from the model), whose state the test compares too."""
     model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = make_optimizer(model)
     mask = causal_mask(8)
     losses = []
     for x, y in make_batches(steps, batch):
@@ -79,7 +89,7 @@ def reference_training(steps: int, batch: int, lr: float = 1e-2) -> tuple[list[f
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, model, opt
 
 
 def place_blocks_by_stage(smp, model) -> None:  # type: ignore[no-untyped-def]

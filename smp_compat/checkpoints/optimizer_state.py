@@ -32,6 +32,7 @@ __all__ = [
     "merge_optimizer_parts",
     "optimizer_local_state_dict",
     "optimizer_state_dict",
+    "record_added_group",
     "record_param_order",
 ]
 
@@ -49,6 +50,12 @@ def record_param_order(optimizer: torch.optim.Optimizer) -> None:
     optimizer._smp_full_groups = [  # type: ignore[attr-defined]
         [canonical[id(p)] for p in group["params"]] for group in optimizer.param_groups
     ]
+
+
+def record_added_group(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> None:
+    """At ``add_param_group`` after ``DistributedOptimizer``: the user's groups gain it, or full dicts drop it."""
+    canonical = {id(p): n for n, p in state.model.module.named_parameters()}
+    _full_groups(optimizer).append([canonical[id(p)] for p in params])
 
 
 def _full_groups(optimizer: torch.optim.Optimizer) -> list[list[str]]:

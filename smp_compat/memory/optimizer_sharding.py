@@ -63,6 +63,13 @@ class OptimizerSharding:
         mine = {id(p) for p in self.shares[topo.coords(state.rank).rdp_rank]}
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]
+        self._drop_foreign_state(mine)
+
+    def _drop_foreign_state(self, mine: set[int]) -> None:
+        """State made before partitioning (Adagrad's in ``__init__``) for parameters now outside the groups:
+        torch's ``state_dict()`` cannot index it, and its memory is what sharding saves."""
+        for p in [p for p in self.optimizer.state if id(p) not in mine]:
+            del self.optimizer.state[p]
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Step this rank's share (through the fp16 wrapper, if any), then every owner broadcasts its share."""

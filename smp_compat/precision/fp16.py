@@ -103,7 +103,9 @@ class FP16Optimizer:
                     master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
                     self._pairs.append((p, master))
                     masters.append(master)
+                    _move_state(self.optimizer.state, p, master)
             group["params"] = masters
+        _drop_state_except(self.optimizer.state, {id(master) for _, master in self._pairs})
 
     def master_params(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
         """(16-bit model parameter, fp32 master) pairs of this rank."""
@@ -187,6 +189,25 @@ class FP16Optimizer:
             for p, master in self._pairs:
                 p.copy_(master)
         return result
+
+
+def _move_state(opt_state: Any, param: torch.nn.Parameter, master: torch.nn.Parameter) -> None:
+    """State made before partitioning (Adagrad's, in ``__init__``) moves to the master, cast as torch's
+    ``load_state_dict`` would (apex's FP16_Optimizer reloaded its state dict for this); left on the 16-bit
+    parameter it would be neither stepped nor indexable by ``state_dict()``."""
+    if param in opt_state:
+        opt_state[master] = {key: _cast(key, value, master.dtype) for key, value in opt_state.pop(param).items()}
+
+
+def _cast(key: str, value: Any, dtype: torch.dtype) -> Any:
+    floating = torch.is_tensor(value) and value.is_floating_point()
+    return value.to(dtype) if floating and key != "step" else value
+
+
+def _drop_state_except(opt_state: Any, kept: set[int]) -> None:
+    """Other stages' parameters leave the groups at partitioning: torch's ``state_dict()`` cannot index theirs."""
+    for key in [key for key in opt_state if id(key) not in kept]:
+        del opt_state[key]
 
 
 def _agreement_group(sharded: bool) -> Any:

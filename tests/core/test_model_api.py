@@ -170,6 +170,13 @@ def test_optimizer_with_a_foreign_parameter_is_refused() -> None:
     assert isinstance(info.value, RuntimeError)  # SMP raised RuntimeError; except clauses keep working
 
 
+def test_added_group_with_a_foreign_parameter_is_refused_and_not_kept() -> None:
+    _, opt = _wrapped()
+    with pytest.raises(ParameterOwnershipError, match=r"param_groups\[1\].*shape \(5, 2\)"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(5, 2))]})
+    assert len(opt.param_groups) == 1 and len(opt.state_dict()["param_groups"]) == 1
+
+
 def test_init_twice_warns_and_keeps_the_first_config() -> None:
     smp.init({"microbatches": 2})
     with pytest.warns(UserWarning, match="already called"):

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from models import lm_train_step, make_model, place_blocks_by_stage, reference_training, train_smp
+from models import lm_train_step, make_model, place_blocks_by_stage, plain_training, reference_training, train_smp
+from smp_compat.checkpoints.optimizer_state import merge_optimizer_parts
 from smp_compat.testing import run_ranks
 
 STEPS, GLOBAL_BATCH = 3, 8
 
 
-def _train(pp: int, shard: bool) -> dict:
+def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _adagrad(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Makes its state for every parameter in ``__init__``, before the shares are known."""
+    return torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+
+
+def _train(pp: int, shard: bool, make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = _adam) -> dict:
     import smp_compat as smp
 
     smp.init({"pipeline_parallel_degree": pp, "microbatches": 2, "ddp": True, "shard_optimizer_state": shard,
@@ -19,12 +31,12 @@ def _train(pp: int, shard: bool) -> dict:
     model = smp.DistributedModel(make_model())
     if pp > 1:
         place_blocks_by_stage(smp, model)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = smp.DistributedOptimizer(make_optimizer(model))
     train_smp(smp, model, opt, lm_train_step(smp), STEPS, GLOBAL_BATCH)
     state_elems = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     local_elems = sum(p.numel() for p in model.local_parameters())
     return {"params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
-            "state_fraction": state_elems / (2 * local_elems)}  # fmt: skip
+            "state_fraction": state_elems / (2 * local_elems), "local": opt.local_state_dict()}  # fmt: skip
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -54,3 +66,19 @@ def test_full_optimizer_state_dict_is_refused_when_sharded() -> None:
         return "no error"
 
     assert "shard_optimizer_state" in run_ranks(body, 2, timeout=60)[0]
+
+
+def test_sharded_adagrad_keeps_only_its_share_and_merges_into_plain_torchs_dict() -> None:
+    """Adagrad's state made in ``__init__`` for other ranks' shares is dropped: local_state_dict() works (it
+    raised a KeyError inside torch) and the parts merge into what plain PyTorch's optimizer holds."""
+    results = run_ranks(_train, 2, 1, True, _adagrad, timeout=120)
+    parts = [r["local"] for r in results]
+    owned = [{part["_smp_param_names"][i] for i in part["state"]} for part in parts]
+    assert owned[0] and owned[1] and not owned[0] & owned[1]
+    expected = plain_training(STEPS, GLOBAL_BATCH, _adagrad)[2].state_dict()
+    merged = merge_optimizer_parts(parts)
+    assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert sorted(merged["state"]) == sorted(expected["state"])
+    for index, value in expected["state"].items():
+        torch.testing.assert_close(merged["state"][index]["sum"], value["sum"], rtol=1e-5, atol=1e-6)
+        assert merged["state"][index]["step"] == value["step"]

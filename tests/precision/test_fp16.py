@@ -106,6 +106,44 @@ def test_bf16_master_weights_and_clipping_match_plain_pytorch(clip: float | None
         torch.testing.assert_close(torch.tensor(results[0]["norms"]), torch.tensor(ref_norms), rtol=2e-2, atol=1e-3)
 
 
+def _bf16_adagrad_with_added_groups() -> dict:
+    """A group added before partitioning gets masters; Adagrad's state from ``__init__`` moves to them."""
+    import smp_compat as smp
+
+    smp.init({"bf16": True})
+    with smp.model_creation(dtype=torch.bfloat16):
+        net = _mlp()
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.Adagrad(net[0].parameters(), lr=0.1, initial_accumulator_value=0.1))
+    opt.add_param_group({"params": list(net[2].parameters()), "lr": 0.05})
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.mse_loss(model(x.bfloat16()).float(), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in _data():
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+    try:
+        opt.add_param_group({"params": list(net[4].parameters())})
+        late = "accepted"
+    except smp.SMPUnsupportedError as exc:
+        late = str(exc)
+    sd = opt.state_dict()
+    return {"groups": [g["params"] for g in sd["param_groups"]], "late": late,
+            "state": {i: (s["sum"].dtype, float(s["step"])) for i, s in sd["state"].items()}}  # fmt: skip
+
+
+def test_bf16_groups_added_before_partitioning_train_and_later_ones_are_refused() -> None:
+    (r,) = run_ranks(_bf16_adagrad_with_added_groups, 1, timeout=60)
+    assert r["groups"] == [[0, 1], [2, 3]]
+    assert r["state"] == {i: (torch.float32, float(STEPS)) for i in range(4)}  # fp32 masters' state, every step
+    assert "add_param_group" in r["late"] and "bf16" in r["late"]
+
+
 def _delayed(auto: bool) -> dict:
     import smp_compat as smp
 
