@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from smp_compat.checkpoints import folders, optimizer_state, state_dicts, tp_reshard
+from smp_compat.checkpoints.serialization import is_refusal, reading
 from smp_compat.errors import CheckpointError
 
 __all__ = [
@@ -188,15 +189,18 @@ _stub_pickle.__name__ = "pickle"
 
 def load_file(path: str | os.PathLike[str], unsafe: bool = False) -> Any:
     """``torch.load`` on the CPU, weights only; ``unsafe`` unpickles anything (for files you trust)."""
-    if not unsafe:
+    with reading(path):
+        if unsafe:
+            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_stub_pickle)
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
+            if not is_refusal(exc):
+                raise
             raise CheckpointError(
                 f"{path} holds Python objects that safe loading refuses ({str(exc).splitlines()[0]}). If you trust "
                 "this file, pass --unsafe (unsafe=True); SMP's own classes then load as placeholders."
             ) from exc
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_stub_pickle)
 
 
 def _select(obj: Any, key: str | None, defaults: tuple[str, ...], looks_right: Any, what: str, path: Path) -> Any:

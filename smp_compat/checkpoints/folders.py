@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from smp_compat.checkpoints import state_dicts
+from smp_compat.checkpoints.state_dicts import PART_OF_KEY
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
 from smp_compat.checkpoints.serialization import atomic_save, atomic_write, fsync_dir
@@ -39,6 +40,9 @@ __all__ = [
     "recover_interrupted",
     "publish_folder",
     "staging_folder",
+    "raise_if_any_failed",
+    "SAVED_OPTIMIZER_KEY",
+    "SAVED_FP16_KEY",
 ]
 
 NEWEST_FILE = "newest"
@@ -48,6 +52,8 @@ USER_CONTENT_FILE = "user_content.pt"
 _STAGING = ".tmp-"
 _BACKUP = ".old-"
 _TRASH = ".trash-"
+SAVED_OPTIMIZER_KEY = "saved_optimizer"  # in the config record: resume then needs every rank's optimizer part
+SAVED_FP16_KEY = "saved_fp16"  # likewise for the fp16 masters
 
 
 # ---------------------------------------------------------------------- names
@@ -117,12 +123,28 @@ def _agree_on_tag(tag: str) -> None:
         )
 
 
-def _raise_if_any_failed(error: str | None, what: str) -> None:
-    errors = _all_gather(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+def raise_if_any_failed(
+    error: str | None, what: str, advice: str = "The previous checkpoint and `newest` are unchanged."
+) -> None:
+    """Collective over the world: every rank raises the same error when any rank had one (none enters a
+    later collective alone and hangs). Ranks with the same error are listed together."""
+    failed: dict[str, list[int]] = {}
+    for rank, message in enumerate(_all_gather(error)):
+        if message:
+            failed.setdefault(message.rstrip("."), []).append(rank)
     if failed:
-        listing = "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise CheckpointError(f"{what} failed ({listing}). The previous checkpoint and `newest` are unchanged.")
+        shown = list(failed.items())[:_SHOWN_ERRORS]
+        listing = "; ".join(f"{_ranks(ranks)}: {message}" for message, ranks in shown)
+        if len(failed) > len(shown):
+            listing += f"; and {len(failed) - len(shown)} more different error(s)"
+        raise CheckpointError(f"{what} failed. {listing}. {advice}")
+
+
+_SHOWN_ERRORS = 4  # distinct errors listed; the rest are counted (a large job's ranks fail alike)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 # ---------------------------------------------------------------------- saving
@@ -178,7 +200,7 @@ def _save_partial(root: Path, tag: str, model: Any, optimizer: Any, user_content
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would publish
         error = f"{type(exc).__name__}: {exc}"
     try:
-        _raise_if_any_failed(error, f"Writing checkpoint {name!r} in {root}")
+        raise_if_any_failed(error, f"Writing checkpoint {name!r} in {root}")
     except CheckpointError:
         if state.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -189,7 +211,7 @@ def _save_partial(root: Path, tag: str, model: Any, optimizer: Any, user_content
             publish_folder(root, staging, name, keep)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
-    _raise_if_any_failed(error, f"Publishing checkpoint {name!r} in {root}")
+    raise_if_any_failed(error, f"Publishing checkpoint {name!r} in {root}")
 
 
 def _prepare_staging(root: Path, name: str) -> tuple[str | None, str | None]:
@@ -218,7 +240,7 @@ def _write_rank_files(staging: Path, tag: str, model: Any, optimizer: Any, user_
         _write_part_files(staging, model, optimizer)
     if state.rank == 0:
         atomic_save(user_content, staging / USER_CONTENT_FILE)
-        atomic_save(_config_record(tag, model), staging / CONFIG_FILE)
+        atomic_save(_config_record(tag, model, optimizer), staging / CONFIG_FILE)
 
 
 def _write_part_files(staging: Path, model: Any, optimizer: Any) -> None:
@@ -230,14 +252,15 @@ def _write_part_files(staging: Path, model: Any, optimizer: Any) -> None:
         sharded = bool(state.cfg.shard_optimizer_state)
         if sharded or _writes_model_parts():
             rdp = coords.rdp_rank if sharded else None
-            atomic_save(optimizer.local_state_dict(), staging / optimizer_file(pp, tp, rdp))
+            part = {**optimizer.local_state_dict(), PART_OF_KEY: {"pp_rank": pp, "tp_rank": tp, "rdp_rank": rdp}}
+            atomic_save(part, staging / optimizer_file(pp, tp, rdp))
         fp16_states = getattr(optimizer, "local_fp16_state_dict", None)
         if callable(fp16_states) and (sharded or _writes_model_parts()):
             atomic_save(fp16_states(), staging / fp16_file(pp, tp, rdp))
 
 
-def _config_record(tag: str, model: Any) -> dict[str, Any]:
-    """What resume checks (degrees) and what a converter needs (the partition), as plain values."""
+def _config_record(tag: str, model: Any, optimizer: Any = None) -> dict[str, Any]:
+    """What resume checks (degrees, which part files must exist) and what a converter needs (the partition)."""
     engine = getattr(model, "pipeline_engine", None)
     partition = None
     if engine is not None:
@@ -256,6 +279,8 @@ def _config_record(tag: str, model: Any) -> dict[str, Any]:
         "dp_size": topo.dp_size,
         "sharded_data_parallel_degree": state.cfg.sharded_data_parallel_degree,
         "partition": partition,
+        SAVED_OPTIMIZER_KEY: optimizer is not None,
+        SAVED_FP16_KEY: callable(getattr(optimizer, "local_fp16_state_dict", None)),
     }
 
 
@@ -341,7 +366,7 @@ def _save_full(root: Path, tag: str, model: Any, optimizer: Any, user_content: A
                 atomic_save(full, root / tag)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         error = f"{type(exc).__name__}: {exc}"
-    _raise_if_any_failed(error, f"Writing full checkpoint {tag!r} in {root}")
+    raise_if_any_failed(error, f"Writing full checkpoint {tag!r} in {root}")
 
 
 # ---------------------------------------------------------------------- resuming

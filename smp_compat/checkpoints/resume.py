@@ -10,20 +10,25 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from smp_compat.checkpoints import deferred_loads
 from smp_compat.checkpoints.folders import (
     CONFIG_FILE,
+    SAVED_FP16_KEY,
+    SAVED_OPTIMIZER_KEY,
     USER_CONTENT_FILE,
     check_tag,
     checkpoint_folder,
     fp16_file,
     model_file,
     optimizer_file,
+    raise_if_any_failed,
 )
 from smp_compat.checkpoints.serialization import safe_load
+from smp_compat.checkpoints.state_dicts import PART_OF_KEY
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import state
 
@@ -118,32 +123,103 @@ def _resume_partial(
     folder = checkpoint_folder(path, tag)
     config = folder / CONFIG_FILE
     sharded = is_sharded_checkpoint(folder)
-    if config.is_file():
-        check_saved_config(_load(config, weights_only, path), str(folder), resharding=sharded)
-    content = folder / USER_CONTENT_FILE
+    saved = _agreed(folder, lambda: _load(config, weights_only, path) if config.is_file() else None)
+    check_saved_config(saved, str(folder), resharding=sharded)
+    files = _agreed(folder, lambda: _read_files(folder, path, saved, load_optimizer and not sharded, weights_only))
     if sharded:
         load_sharded(folder, load_optimizer, strict, weights_only, load_sharded_optimizer_state=load_moments)
-        return _load(content, weights_only, path) if content.is_file() else None
+    else:
+        _apply(files.model, {"strict": strict}, files.optimizer, files.fp16)
+    return files.user_content
+
+
+@dataclass
+class _Files:
+    """What this rank read from a partial checkpoint folder (None: not there, or not asked for)."""
+
+    model: Any = None
+    optimizer: Any = None
+    fp16: Any = None
+    user_content: Any = None
+
+
+def _agreed(folder: Path, read: Callable[[], Any]) -> Any:
+    """``read()`` on every rank; when it fails anywhere, every rank raises the same error before going on to
+    a load (a collective), so a rank whose file is bad never leaves the others waiting in it."""
+    result, error = None, None
+    try:
+        result = read()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    raise_if_any_failed(error, f"Resuming checkpoint {str(folder)!r}", "Nothing was loaded on any rank.")
+    return result
+
+
+def _read_files(folder: Path, root: Any, saved: Any, load_optimizer: bool, weights_only: bool) -> _Files:
+    """This rank's part files (model, optimizer, fp16 masters) and the user content; a missing part or a part
+    written by another rank raises."""
+    content = folder / USER_CONTENT_FILE
+    files = _Files(user_content=_load(content, weights_only, root) if content.is_file() else None)
     coords = state.topology.coords(state.rank)
-    pp, tp = coords.pp_rank, coords.tp_rank
-    model_sd = _load(folder / model_file(pp, tp), weights_only, path) if _check_parts(folder) else None
-    optimizer_sd = fp16_sd = None
+    pp, tp, rdp = coords.pp_rank, coords.tp_rank, coords.rdp_rank
+    files.model = _load(folder / model_file(pp, tp), weights_only, root) if _check_parts(folder) else None
     if load_optimizer:  # with optimizer-state sharding, each rdp rank has files of its own
-        rdp = coords.rdp_rank
-        optimizer_names = (optimizer_file(pp, tp), optimizer_file(pp, tp, rdp))
-        optimizer_sd = _load_first(folder, optimizer_names, weights_only, path)
-        fp16_sd = _load_first(folder, (fp16_file(pp, tp), fp16_file(pp, tp, rdp)), weights_only, path)
-    user_content = _load(content, weights_only, path) if content.is_file() else None
-    _apply(model_sd, {"strict": strict}, optimizer_sd, fp16_sd)
-    return user_content
+        names = (optimizer_file(pp, tp), optimizer_file(pp, tp, rdp))
+        need = _saved_with(folder, saved, SAVED_OPTIMIZER_KEY, "optimizer_states_")
+        files.optimizer = _own_part(*_load_part(folder, names, need, weights_only, root))
+        names = (fp16_file(pp, tp), fp16_file(pp, tp, rdp))
+        need = _saved_with(folder, saved, SAVED_FP16_KEY, "fp16_states_")
+        files.fp16 = _load_part(folder, names, need, weights_only, root)[0]
+    return files
 
 
-def _load_first(folder: Path, names: tuple[str, ...], weights_only: bool, root: Any) -> Any:
-    """The first of ``names`` that exists in ``folder``, loaded; None when none does."""
+def _saved_with(folder: Path, saved: Any, key: str, prefix: str) -> bool:
+    """Whether the save wrote files ``prefix*`` (its config says so; older or re-cut folders: any such file)."""
+    if isinstance(saved, Mapping) and key in saved:
+        return bool(saved[key])
+    return any(p.name.startswith(prefix) for p in folder.iterdir())
+
+
+def _load_part(
+    folder: Path, names: tuple[str, str], needed: bool, weights_only: bool, root: Any
+) -> tuple[Any, Path | None]:
+    """This rank's part (plain name, or per replica with optimizer-state sharding) and its path; (None, None)
+    when the save wrote none. A part the save wrote but that is gone raises: the state would silently reset."""
     for name in names:
         if (folder / name).is_file():
-            return _load(folder / name, weights_only, root)
-    return None
+            return _load(folder / name, weights_only, root), folder / name
+    if not needed:
+        return None, None
+    expected = folder / names[1 if state.cfg.shard_optimizer_state else 0]
+    raise CheckpointError(
+        f"Checkpoint file {str(expected)!r} is missing: the checkpoint was saved with an optimizer, and this rank "
+        "needs its part to resume it. Restore the file from a complete copy of the checkpoint, resume an older "
+        "checkpoint, or pass load_optimizer=False to load the model only (the optimizer then starts afresh)."
+    )
+
+
+def _own_part(part: Any, path: Path | None) -> Any:
+    """The optimizer part without its writer mark, after checking that this rank wrote it: a part copied over
+    another's name would load as an empty state for this rank's parameters (the names do not match)."""
+    if not isinstance(part, Mapping) or not isinstance(part.get(PART_OF_KEY), Mapping):
+        return part
+    writer = part[PART_OF_KEY]
+    coords = state.topology.coords(state.rank)
+    mine = {"pp_rank": coords.pp_rank, "tp_rank": coords.tp_rank}
+    if writer.get("rdp_rank") is not None:
+        mine["rdp_rank"] = coords.rdp_rank
+    if any(writer.get(k) != v for k, v in mine.items()):
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} does not belong to this rank: it is the optimizer part of "
+            f"{_coords(writer, mine)}, but this rank is {_coords(mine, mine)}. It was replaced by another rank's "
+            "part (copied over the wrong name?). Restore it from a complete copy of the checkpoint, or pass "
+            "load_optimizer=False."
+        )
+    return {k: v for k, v in part.items() if k != PART_OF_KEY}
+
+
+def _coords(ranks: Mapping[str, Any], keys: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {ranks.get(k)}" for k in keys)
 
 
 def _resume_full(

@@ -11,17 +11,20 @@ import os
 import pickle
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-from smp_compat.errors import CheckpointError
+from smp_compat.errors import CheckpointError, SMPError
 from smp_compat.globalstate import state
 from smp_compat.checkpoints.load_policy import allow_harmless, is_trusted, refusal_message
 
-__all__ = ["save", "load", "atomic_write", "atomic_save", "fsync_dir", "safe_load", "partial_path"]
+__all__ = [
+    "save", "load", "atomic_write", "atomic_save", "fsync_dir", "safe_load", "partial_path", "reading", "is_refusal",
+]  # fmt: skip
 
 
 def partial_path(f: str | os.PathLike[str], v3: bool = False, back_compat: bool = False) -> str:
@@ -83,14 +86,46 @@ def safe_load(
     """
     if weights_only and is_trusted(path):
         weights_only = False
-    if not weights_only:
-        return torch.load(path, map_location=map_location, weights_only=False, **kw)
+    with reading(path):
+        if not weights_only:
+            return torch.load(path, map_location=map_location, weights_only=False, **kw)
+        try:
+            with allow_harmless():
+                return torch.load(path, map_location=map_location, weights_only=True, **kw)
+        except pickle.UnpicklingError as exc:
+            if not is_refusal(exc):
+                raise
+            folder = trust_folder if trust_folder is not None else Path(path).parent
+            raise CheckpointError(refusal_message(path, exc, folder)) from exc
+
+
+def is_refusal(exc: pickle.UnpicklingError) -> bool:
+    """torch's safe unpickler refused a type; "Unsupported operand" means damaged bytes, not a refusal."""
+    text = str(exc)
+    return "WeightsUnpickler error" in text and "Unsupported operand" not in text
+
+
+@contextmanager
+def reading(path: Any) -> Iterator[None]:
+    """Around a ``torch.load`` of ``path``: a truncated or corrupt file becomes a CheckpointError naming it.
+
+    torch's own errors (``[Errno 22]``, an empty ``EOFError``, a miniz message) do not say which file.
+    """
     try:
-        with allow_harmless():
-            return torch.load(path, map_location=map_location, weights_only=True, **kw)
-    except pickle.UnpicklingError as exc:
-        folder = trust_folder if trust_folder is not None else Path(path).parent
-        raise CheckpointError(refusal_message(path, exc, folder)) from exc
+        yield
+    except SMPError:
+        raise
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as exc:
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise  # names the file already (missing, a folder, no permission), as torch.load's callers expect
+        if isinstance(exc, RuntimeError) and "PytorchStreamReader" not in str(exc):
+            raise  # not the file (e.g. map_location names a device this machine lacks)
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else "no message"
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} is truncated or unreadable ({type(exc).__name__}: {first}). It was cut "
+            "short or damaged after it was written (a partial copy or a full disk), so nothing was loaded from it. "
+            "Restore it from a complete copy, or resume an older checkpoint."
+        ) from exc
 
 
 def save(

@@ -11,11 +11,13 @@ that has the same keys.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from smp_compat.errors import CheckpointError
@@ -26,6 +28,7 @@ __all__ = [
     "PARTIAL_KEY",
     "LOAD_INFO_KEY",
     "PARAM_NAMES_KEY",
+    "PART_OF_KEY",
     "MARKER_KEYS",
     "PendingModelLoad",
     "apply_model_load",
@@ -44,7 +47,8 @@ __all__ = [
 PARTIAL_KEY = "_smp_is_partial"
 LOAD_INFO_KEY = "_smp_load_info"
 PARAM_NAMES_KEY = "_smp_param_names"
-MARKER_KEYS = (PARTIAL_KEY, LOAD_INFO_KEY, PARAM_NAMES_KEY)
+PART_OF_KEY = "_smp_part_of"  # a checkpoint's optimizer part: the pp/tp/rdp ranks that wrote it (checked at resume)
+MARKER_KEYS = (PARTIAL_KEY, LOAD_INFO_KEY, PARAM_NAMES_KEY, PART_OF_KEY)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/SMP wrappers; torch.compile's OptimizedModule
 
 
@@ -202,6 +206,7 @@ def model_state_dict(
         return OrderedDict() if destination is None else destination
     if not pipelined(model):
         full = OrderedDict((k, _cast(v, cast_to_cpu, keep_vars)) for k, v in entries.items())
+        _share_tied(model.module, full)
         _copy_metadata(entries, full)
         return _prefixed(full, destination, prefix)
     mine = _owned_entries(model, entries)
@@ -216,8 +221,21 @@ def model_state_dict(
             full[key] = _cast(value, cast_to_cpu, keep_vars)
         elif key in merged:
             full[key] = merged[key] if cast_to_cpu else to_device(merged[key], state.device)
+    _share_tied(model.module, full)
     _copy_metadata(entries, full)
     return _prefixed(full, destination, prefix)
+
+
+def _share_tied(module: nn.Module, full: MutableMapping[str, Any]) -> None:
+    """Tied weights under one tensor again, as in ``module.state_dict()``: gathering pickled each name apart."""
+    first: dict[int, str] = {}
+    tensors = chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    for name, tensor in tensors:
+        if tensor is None:
+            continue
+        owner = first.setdefault(id(tensor), name)
+        if owner != name and owner in full and name in full:
+            full[name] = full[owner]
 
 
 def _cast(value: Any, cast_to_cpu: bool, keep_vars: bool) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from smp_compat.checkpoints.state_dicts import LOAD_INFO_KEY, PARAM_NAMES_KEY, PARTIAL_KEY, strip_markers
+from smp_compat.checkpoints.state_dicts import LOAD_INFO_KEY, PARAM_NAMES_KEY, PART_OF_KEY, PARTIAL_KEY, strip_markers
 from smp_compat.errors import CheckpointError
 
 __all__ = [
@@ -175,7 +175,8 @@ def merge_tp_optimizer(parts: Sequence[Mapping[str, Any]], table: Table | None, 
 def split_tp_optimizer(part: Mapping[str, Any], tp: int, table: Table | None) -> list[dict[str, Any]]:
     """A plain (whole-tensor) optimizer part with parameter names, cut into ``tp`` parts."""
     names, states = _named_states(part, "The optimizer state")
-    out = [{**part, "state": {}} for _ in range(tp)]
+    kept = {k: v for k, v in part.items() if k != PART_OF_KEY}  # a new part: no longer the writer's
+    out = [{**kept, "state": {}} for _ in range(tp)]
     for index, name in enumerate(names):
         if name not in states:
             continue

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +166,59 @@ def test_resuming_with_another_pipeline_degree_is_rejected(pp2_run: tuple[Path, 
         smp.resume_from_checkpoint(directory)
 
 
+def _resume_each(resumes: list[tuple[str, bool]]) -> list[str]:
+    """One rank: resume each (checkpoint, load_optimizer) in turn; the error message of each, or "no error"."""
+    smp.init(_config(1))
+    _build(1)
+    messages = []
+    for root, load_optimizer in resumes:
+        try:
+            smp.resume_from_checkpoint(root, load_optimizer=load_optimizer)
+            messages.append("no error")
+        except CheckpointError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def _damaged_copy(source: Path, target: Path, damage: dict[str, str]) -> str:
+    """A copy of a checkpoint with files of its ``step2_partial`` removed (""), truncated ("half"), or
+    replaced by another of its files."""
+    shutil.copytree(source, target)
+    folder = target / "step2_partial"
+    for name, how in damage.items():
+        if not how:
+            (folder / name).unlink()
+        elif how == "half":
+            data = (folder / name).read_bytes()
+            (folder / name).write_bytes(data[: len(data) // 2])
+        else:
+            shutil.copyfile(folder / how, folder / name)
+    return str(target)
+
+
+_DAMAGE = {  # name: (what is done to the checkpoint, load_optimizer, the error every rank must raise)
+    "one_missing": ({"optimizer_states_1_0.pt": ""}, True, r"rank 1: .*optimizer_states_1_0\.pt' is missing"),
+    "all_missing": ({"optimizer_states_0_0.pt": "", "optimizer_states_1_0.pt": ""}, True,
+                    r"rank 0: .*optimizer_states_0_0\.pt' is missing.*rank 1: .*optimizer_states_1_0\.pt' is missing"),
+    "model_only": ({"optimizer_states_0_0.pt": "", "optimizer_states_1_0.pt": ""}, False, r"^no error$"),
+    "swapped": ({"optimizer_states_1_0.pt": "optimizer_states_0_0.pt"}, True,
+                r"optimizer_states_1_0\.pt' does not belong to this rank: .* of pp_rank 0, .* is pp_rank 1"),
+    "truncated": ({"optimizer_states_1_0.pt": "half"}, True, r"optimizer_states_1_0\.pt' is truncated or unreadable"),
+    "model_truncated": ({"model_0_0.pt": "half"}, True, r"rank 0: .*model_0_0\.pt' is truncated or unreadable"),
+}  # fmt: skip
+
+
+def test_damaged_parts_fail_on_every_rank_naming_the_file(pp2_run: tuple[Path, list], tmp_path: Path) -> None:
+    """A part missing on one rank used to hang the others in a collective; all missing, or another rank's part,
+    loaded silently (no optimizer state); a truncated file gave torch's errors, which do not name it."""
+    directory, _ = pp2_run
+    resumes = [(_damaged_copy(directory, tmp_path / name, damage), load) for name, (damage, load, _) in _DAMAGE.items()]
+    first, second = run_ranks(_resume_each, 2, resumes, timeout=30)
+    assert first == second  # the same error on every rank: none went on into a load alone
+    for message, (_, _, pattern) in zip(first, _DAMAGE.values(), strict=True):
+        assert re.search(pattern, message), message
+
+
 def _mismatched_tags(directory: str) -> str:
     smp.init({"ddp": True})
     try:
@@ -279,6 +334,14 @@ def test_missing_checkpoints_are_explained(tmp_path: Path) -> None:
         smp.resume_from_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="does not exist"):
         smp.resume_from_checkpoint(tmp_path, tag="absent")
+
+
+def test_a_checkpoint_saved_without_an_optimizer_resumes_with_the_default_load_optimizer(tmp_path: Path) -> None:
+    smp.init({})
+    model, opt, _ = _one()
+    smp.save_checkpoint(tmp_path, "m", model=model, user_content=1)  # no optimizer: none of its parts is missing
+    assert torch.load(tmp_path / "m_partial" / "smp_config.pt", weights_only=True)["saved_optimizer"] is False
+    assert smp.resume_from_checkpoint(tmp_path) == 1
 
 
 def test_user_content_loads_safely_unless_trusted(tmp_path: Path) -> None:

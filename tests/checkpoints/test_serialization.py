@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import smp_compat as smp
+from smp_compat.checkpoints.convert import load_file
 from smp_compat.errors import CheckpointError, SMPNotInitializedError
 from smp_compat.testing import run_ranks
 
@@ -161,3 +163,21 @@ def test_safe_loading_refuses_arbitrary_objects(tmp_path: Path, partial: bool) -
     assert "obj.pt" in str(info.value)
     loaded = smp.load(target, partial=partial, weights_only=False)
     assert isinstance(loaded["thing"], Opaque) and loaded["thing"].value == 3
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_truncated_or_corrupt_file_is_named_not_loaded(tmp_path: Path, weights_only: bool) -> None:
+    """torch's own errors ([Errno 22], an empty EOFError, a miniz message) do not say which file is damaged."""
+    smp.init({})
+    smp.save({"w": torch.ones(64)}, tmp_path / "good.pt", partial=False)
+    data = (tmp_path / "good.pt").read_bytes()
+    damaged = {"empty": b"", "one_byte": data[:1], "no_directory": data[:100], "half": data[: len(data) // 2],
+               "zeroed": data[:400] + bytes(200) + data[600:]}  # fmt: skip
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointError, match=rf"'{re.escape(str(tmp_path / name))}' is truncated or unreadable"):
+            smp.load(tmp_path / name, partial=False, weights_only=weights_only)
+    with pytest.raises(CheckpointError, match=r"half' is truncated or unreadable"):
+        load_file(tmp_path / "half", unsafe=not weights_only)  # `smp-compat checkpoint` reads the same way
+    with pytest.raises(FileNotFoundError):  # names the file already, as torch.load's callers expect
+        smp.load(tmp_path / "absent.pt", partial=False)

@@ -76,11 +76,13 @@ def _gather_after_training(first_on_rank1: int) -> dict[str, Any]:
     with torch.no_grad():
         logits = eval_step(model, _probe()).concat()
     full = model.state_dict()
+    everywhere = model.state_dict(gather_to_rank0=False)  # on rank 1 the tied pair arrives from rank 0
     return {
         "pp": smp.pp_rank(),
         "full": full,
         "tied_shared": bool(full) and full["embed.weight"].data_ptr() == full["head.weight"].data_ptr(),
-        "everywhere": model.state_dict(gather_to_rank0=False),
+        "tied_shared_everywhere": everywhere["embed.weight"].data_ptr() == everywhere["head.weight"].data_ptr(),
+        "everywhere": everywhere,
         "local": model.local_state_dict(),
         "params": _local_params(model),
         "logits": logits,
@@ -150,6 +152,7 @@ def test_full_state_dict_gathers_to_rank0_in_plain_pytorch_order(trained: list[d
     assert root["tied_shared"]  # tied weights under both names, one storage, as plain PyTorch
     for r in trained:
         assert list(r["everywhere"].keys()) == plain_keys
+        assert r["tied_shared_everywhere"]  # also where the tied pair was gathered from another rank
         for name, value in r["params"].items():
             assert torch.equal(root["full"][name], value)
             assert root["full"][name].device.type == "cpu"
