@@ -21,6 +21,7 @@ from smp_compat.memory.activation_checkpointing import apply_activation_checkpoi
 from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.precision.module16 import check_built_in_16_bit, to_16bit, to_float32
 from smp_compat.runtime.compiling import Compiler, unwrap_compiled
+from smp_compat.runtime.hf_state import refuse_filled_cache
 from smp_compat.errors import (
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
@@ -101,6 +102,8 @@ class DistributedModel(TensorParallelQueries, nn.Module):
                 "inside a function decorated with @smp.step (put evaluation in its own step function and "
                 "call it under torch.no_grad())."
             )
+        if state.cfg.pipeline_parallel_degree > 1:
+            refuse_filled_cache(args, kwargs)
         if not in_step() and self.distributed_modules():
             self._start_plain_step()
         run = self._root_forward()

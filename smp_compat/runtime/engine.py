@@ -23,6 +23,7 @@ from smp_compat.memory.activation_checkpointing import requested_checkpointing
 from smp_compat.errors import RemoteError, StepUsageError
 from smp_compat.memory.materialize import materialize_local
 from smp_compat.partitioning import PartitionPlan
+from smp_compat.runtime import hf_state
 from smp_compat.runtime.dispatch import call_children, call_local, dispatching_forward, sequential_forward
 from smp_compat.runtime.ordered_grads import OrderedGradients
 from smp_compat.runtime.placement import Placement
@@ -169,17 +170,24 @@ class PipelineEngine(BackwardSide, ServingSide):
                             f"(microbatch {ctx.microbatch})", grad_inputs=[])  # fmt: skip
         specs, data = self._encode_inputs(calls, record, tensors, grad)
         lazy = site in self._lazy_sites and self._compiler is None  # compiled code takes no RemoteTensor
+        capture = hf_state.request(self.root)
         meta = {
             "call": call_id, "target": target, "mb": ctx.microbatch, "grad": grad, "amp": amp_state(),
             "skeleton": skeleton, "inputs": specs, "lazy": lazy, "checkpoint": requested_checkpointing(),
         }  # fmt: skip
+        if capture:
+            meta["capture"] = capture
         self._send(owner, "fwd", meta, data)
         reply = self._await(ctx, call_id, f"forward of {record.description}")
         if reply.kind == "fwd_err":
             raise RemoteError(f"{record.description} failed:\n{reply.meta['error']}", reply.meta.get("root"))
         calls.records[call_id] = record
         outputs = self._decode_outputs(calls, record, reply, grad)
-        return fill_tensors(reply.meta["skeleton"], outputs)
+        result = fill_tensors(reply.meta["skeleton"], outputs)
+        if capture:
+            result, captured = result
+            hf_state.merge(captured)
+        return result
 
     def _encode_inputs(self, calls: MicrobatchCalls, record: CallRecord, tensors: list[torch.Tensor],
                        grad: bool) -> tuple[list[tuple], list[torch.Tensor]]:  # fmt: skip

@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from smp_compat.memory.activation_checkpointing import run_checkpointed
+from smp_compat.runtime import hf_state
 from smp_compat.runtime.remote import CallId, Context, Hosted, ReceivedInputs, anchor, set_context
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
@@ -40,6 +42,7 @@ class ServingSide:
     _served_from: collections.defaultdict[int, Iterator[int]]
     pp_members: list[int]
     placement: Any
+    root: nn.Module
 
     if TYPE_CHECKING:
 
@@ -84,9 +87,13 @@ class ServingSide:
         try:
             inputs = self._decode_inputs(hosted, call_id, meta["inputs"], message.tensors)
             args, kwargs = fill_tensors(meta["skeleton"], inputs)
-            with torch.set_grad_enabled(meta["grad"]), autocast_as(meta["amp"]):
+            capture = meta.get("capture")
+            collecting = hf_state.collecting(capture, self.root)
+            with torch.set_grad_enabled(meta["grad"]), autocast_as(meta["amp"]), collecting as got:
                 module = self.placement.modules[meta["target"][1]]
                 result = run_checkpointed(self.run_target, meta["checkpoint"], module, meta["target"], args, kwargs)
+            if capture:  # Hugging Face outputs collected by hooks travel with the result
+                result = (result, hf_state.new_entries(capture, got) if got is not None else {})
             skeleton, outputs = flatten_tensors(result)
         except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
             root = root_of(exc, self.rank, self._describe(meta["target"]), f"microbatch {mb}, forward")
