@@ -15,12 +15,12 @@ VOCAB, HIDDEN, HEADS, SEQ, GLOBAL_BATCH, STEPS = 32, 16, 4, 6, 8, 3
 class TinySmpLM(nn.Module):
     """Embedding -> DistributedTransformer (pre-LN, causal) -> LayerNorm -> DistributedLinear -> plain head."""
 
-    def __init__(self, smp_nn: Any, post_layernorm: bool = False) -> None:
+    def __init__(self, smp_nn: Any, post_layernorm: bool = False, attention_dropout: float = 0.0) -> None:
         super().__init__()
         self.embedding = smp_nn.DistributedEmbedding(VOCAB, HIDDEN)
         self.transformer = smp_nn.DistributedTransformer(
             num_layers=2, num_attention_heads=HEADS, attention_head_size=HIDDEN // HEADS, hidden_size=HIDDEN,
-            intermediate_size=2 * HIDDEN, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
+            intermediate_size=2 * HIDDEN, attention_dropout_prob=attention_dropout, hidden_dropout_prob=0.0,
             causal_mask_size=SEQ, pre_layernorm=not post_layernorm, post_layernorm=post_layernorm,
             use_normal_initialization=True, initializer_range=0.2)  # fmt: skip
         self.ln = nn.LayerNorm(HIDDEN)

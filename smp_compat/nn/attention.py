@@ -10,6 +10,8 @@ are plain torch here (torch fuses what it can).
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Any
 
@@ -52,7 +54,7 @@ class AttentionMath:
         if causal:
             mask = _add_causal(mask, q.shape[-2], k.shape[-2], q.dtype, q.device, self.window_size)
         if self.flash and not self.in_fp32:
-            with tp_rng():
+            with tp_rng() if p else contextlib.nullcontext():
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)
         scores = attention_scores(q, k, self.scale, self.qk_layer_scaling, self.in_fp32)
         if mask is not None:

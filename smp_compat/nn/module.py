@@ -57,26 +57,29 @@ def is_shard(param: torch.Tensor) -> bool:
     return hasattr(param, "_smp_tp_dim")
 
 
-_tp_rng_state: torch.Tensor | None = None
+_SEED_RANGE = 2**62
 
 
 @contextlib.contextmanager
 def tp_rng() -> Iterator[None]:
-    """Run dropout inside a sharded region on its own CPU generator stream, seeded by ``tensor_parallel_seed``
-    and the tp rank (different masks per shard, as SMP/Megatron), leaving the global stream untouched."""
-    global _tp_rng_state
+    """Run dropout inside a sharded region on a CPU generator stream of its own, seeded from one draw of the
+    global generator, ``tensor_parallel_seed`` and the tp rank (different masks per shard, as SMP/Megatron).
+
+    Seeding from the global generator makes the region replay: activation checkpointing restores the global
+    state before it recomputes, so the recomputation draws the same mask. A stream that only moved on gave the
+    recomputation other masks, and so wrong gradients. Under ``deterministic_server`` the global generator is
+    the microbatch's own stream (runtime/rng_streams.py), so the masks do not depend on task order either.
+    """
     if tp_world() == 1:
         yield
         return
+    draw = int(torch.randint(0, _SEED_RANGE, (1,)).item())
     outer = torch.get_rng_state()
-    if _tp_rng_state is None:
-        seed = (state.cfg.tensor_parallel_seed if state.initialized else 0) + 2718 + tp_index()
-        _tp_rng_state = torch.Generator().manual_seed(seed).get_state()
-    torch.set_rng_state(_tp_rng_state)
+    seed = hash((draw, state.cfg.tensor_parallel_seed if state.initialized else 0, tp_index())) % _SEED_RANGE
+    torch.default_generator.manual_seed(seed)
     try:
         yield
     finally:
-        _tp_rng_state = torch.get_rng_state()
         torch.set_rng_state(outer)
 
 

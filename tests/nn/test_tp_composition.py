@@ -47,14 +47,15 @@ def test_bf16_clip_master_grads_counts_replicated_gradients_once() -> None:
     assert tp2[0]["norm"] == pytest.approx(tp1[0]["norm"], rel=2e-2)  # bf16 rounding differs with the layout
 
 
-def _checkpointed(prescaled: bool) -> dict:
+def _checkpointed(prescaled: bool, attention_dropout: float = 0.0, checkpointed: bool = True) -> dict:
     import smp_compat as smp
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": prescaled})
     torch.manual_seed(0)
-    model = smp.DistributedModel(tm.TinySmpLM(smp.nn))
-    smp.set_activation_checkpointing(model.get_module().transformer.seq_layers[0])
-    smp.set_activation_checkpointing(model.get_module().transformer.seq_layers[1].attention)
+    model = smp.DistributedModel(tm.TinySmpLM(smp.nn, attention_dropout=attention_dropout))
+    if checkpointed:
+        smp.set_activation_checkpointing(model.get_module().transformer.seq_layers[0])
+        smp.set_activation_checkpointing(model.get_module().transformer.seq_layers[1].attention)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
 
     @smp.step
@@ -81,6 +82,16 @@ def test_activation_checkpointing_of_seq_layers_under_tp(prescaled: bool) -> Non
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     for name, value in ref_params.items():
         torch.testing.assert_close(results[0]["params"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_checkpointed_attention_dropout_recomputes_the_same_masks() -> None:
+    """The recomputation in backward must draw the masks the forward drew: it drew others (wrong gradients)."""
+    plain = run_ranks(_checkpointed, 2, False, 0.3, False, timeout=120)
+    checkpointed = run_ranks(_checkpointed, 2, False, 0.3, True, timeout=120)
+    for a, b in zip(plain, checkpointed):
+        assert a["losses"] == b["losses"]
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), name
 
 
 def _partial_save_load(path: str) -> dict:
