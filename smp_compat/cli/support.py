@@ -63,6 +63,7 @@ class Entry:
 
 
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
+_LINEAR_FIX = "Build the layer as smp.nn.DistributedLinear(in_features, out_features), or smp.tp_register a module."
 _SAFE_LOAD = (
     "Safe loading (tensors, containers, argparse.Namespace, numpy scalars); other objects from trusted folders "
     "(SMP_COMPAT_TRUST_CHECKPOINTS, smp-compat run --trust-checkpoint) or with weights_only=False."
@@ -102,9 +103,11 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("set_partition", _S, "", ""),
     ]),
     ("Tensor parallelism, model creation, activation checkpointing", [
-        ("tensor_parallelism", _S, "Marks supported modules (built in: Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, BERT, RoBERTa). "
-         + _TP_PP, ""),
-        ("set_tensor_parallelism", _S, _TP_PP, ""),
+        ("tensor_parallelism", _P, "Marks supported modules (built in: Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, BERT, RoBERTa). "
+         "A plain nn.Linear is not swapped (SMP made it an smp.nn.DistributedLinear): it stays replicated, with a "
+         "warning. " + _TP_PP, _LINEAR_FIX),
+        ("set_tensor_parallelism", _P, "A plain nn.Linear is not swapped, as under tensor_parallelism. " + _TP_PP,
+         _LINEAR_FIX),
         ("tp_register", _S, "init/forward/return hooks as in SMP. " + _TP_PP, ""),
         ("tp_register_with_module", _S, "init/forward/return hooks as in SMP. " + _TP_PP, ""),
         ("delay_param_initialization", _S, "Parameters are created on the meta device (buffers stay real); each "

@@ -41,8 +41,7 @@ API_USES: dict[str, Exercise] = {
     **_same(tr.sharded_data_parallelism, "register_parameter"),
     **_same(tr.tensor_parallelism, "model_creation nn nn.DistributedLinear nn.DistributedModule "
             "nn.DistributedTransformer nn.DistributedTransformerOutputLayer nn.FusedLayerNorm"),
-    **_same(tr.tensor_parallelism_with_pipeline, "tensor_parallelism set_tensor_parallelism tp_register "
-            "tp_register_with_module"),
+    **_same(tr.tensor_parallelism_with_pipeline, "tp_register tp_register_with_module"),
     **_same(api.save_load_and_resume, "save load save_checkpoint resume_from_checkpoint"),
     **_same(api.ranks_groups_and_communication,
             "rank size local_rank local_size pp_rank pp_size tp_rank tp_size dp_rank dp_size rdp_rank rdp_size "
