@@ -50,6 +50,7 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
         scaler = LossScaler.create(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) if state.cfg.fp16 else None
         state.optimizer = ShardedOptimizer(optimizer, model, scaler)
         deferred_loads.attach_queued_optimizer_load(state.optimizer)  # type: ignore[arg-type]
+        deferred_loads.attach_queued_fp16_load(state.optimizer)
         return state.optimizer  # type: ignore[return-value]
     _patch(optimizer)
     sharding = OptimizerSharding(optimizer) if state.cfg.shard_optimizer_state else None
@@ -58,6 +59,7 @@ def DistributedOptimizer(  # noqa: N802 - SMP's public name
     if state.cfg.fp16 or state.cfg.bf16:
         scaler = LossScaler.create(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) if state.cfg.fp16 else LossScaler()
         optimizer = FP16Optimizer(optimizer, model, scaler, sharded=sharding is not None)  # type: ignore[assignment]
+        deferred_loads.attach_queued_fp16_load(optimizer)  # after the queued optimizer load (in _patch)
     if sharding is not None:
         sharding.hook(optimizer)  # outermost: broadcast after the masters are copied into the 16-bit weights
     state.optimizer = optimizer

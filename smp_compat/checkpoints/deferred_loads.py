@@ -14,19 +14,28 @@ import torch
 from smp_compat.checkpoints.state_dicts import LOAD_INFO_KEY, is_partial, PendingModelLoad, apply_model_load
 from smp_compat.globalstate import state
 
-__all__ = ["apply_pending_model_loads", "attach_queued_optimizer_load", "queue_resume", "saved_partition"]
+__all__ = [
+    "apply_pending_model_loads",
+    "attach_queued_fp16_load",
+    "attach_queued_optimizer_load",
+    "queue_resume",
+    "saved_partition",
+]
 
 
 _QUEUED: dict[str, Any] = {}
 
 
-def queue_resume(model_load: dict[str, Any] | None, optimizer_sd: Mapping[str, Any] | None) -> None:
+def queue_resume(
+    model_load: dict[str, Any] | None, optimizer_sd: Mapping[str, Any] | None, fp16_sd: Mapping[str, Any] | None = None
+) -> None:
     """Remember a resume made before the model/optimizer exist; applied when they are created/partitioned.
 
-    ``model_load`` holds the keyword arguments of ``model.load_state_dict``.
+    ``model_load`` holds the keyword arguments of ``model.load_state_dict``; ``fp16_sd`` is the fp16_states part
+    (loss scaler, fp32 masters), which needs the fp16/bf16 optimizer and is applied after its masters exist.
     """
     _QUEUED.clear()
-    _QUEUED.update(launch=state.launch, model=model_load, optimizer=optimizer_sd)
+    _QUEUED.update(launch=state.launch, model=model_load, optimizer=optimizer_sd, fp16=fp16_sd)
 
 
 def _take_queued(kind: str) -> Any:
@@ -65,6 +74,15 @@ def attach_queued_optimizer_load(optimizer: torch.optim.Optimizer) -> None:
     queued = _take_queued("optimizer")
     if queued is not None:
         optimizer.load_state_dict(queued)
+
+
+def attach_queued_fp16_load(optimizer: Any) -> None:
+    """A resume made before ``DistributedOptimizer``: its fp16_states part goes to the fp16/bf16 optimizer,
+    which applies it once its masters exist (after the model load, so the masters are the saved ones)."""
+    queued = _take_queued("fp16")
+    load = getattr(optimizer, "load_local_fp16_state_dict", None)
+    if queued is not None and callable(load):
+        load(queued)
 
 
 def apply_pending_model_loads(model: Any) -> None:

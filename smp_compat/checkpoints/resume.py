@@ -262,4 +262,5 @@ def _apply(model_sd: Any, model_kwargs: dict[str, Any], optimizer_sd: Any, fp16_
     load_fp16 = getattr(optimizer, "load_local_fp16_state_dict", None)
     if fp16_sd is not None and callable(load_fp16):
         load_fp16(fp16_sd)
-    deferred_loads.queue_resume(queued_model, queued_optimizer)
+    queued_fp16 = fp16_sd if optimizer is None else None  # applied by the fp16/bf16 optimizer once created
+    deferred_loads.queue_resume(queued_model, queued_optimizer, queued_fp16)

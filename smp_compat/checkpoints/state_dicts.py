@@ -365,12 +365,22 @@ def _load_now(model: Any, entries: Mapping[str, Any], strict: bool, fill_non_loc
         prepared = slice_for_rank(model.module, prepared)
     _copy_metadata(entries, prepared)
     try:
-        return model.module.load_state_dict(prepared, strict=strict)
+        result = model.module.load_state_dict(prepared, strict=strict)
     except RuntimeError as exc:
         raise CheckpointError(
             f"{exc}\nLoad a dict saved from this model, pass translate_function=... to rename keys, or "
             "strict=False to load the matching keys only."
         ) from exc
+    _refresh_masters(model, prepared)
+    return result
+
+
+def _refresh_masters(model: Any, loaded: Mapping[str, Any]) -> None:
+    """fp16/bf16 masters made before this load follow the loaded weights, or the next step would undo it."""
+    refresh = getattr(state.optimizer, "refresh_masters", None)
+    if callable(refresh):
+        named = model.module.named_parameters(remove_duplicate=False)
+        refresh([p for name, p in named if name in loaded])
 
 
 def _same_partition(model: Any, info: Any) -> bool:

@@ -27,7 +27,12 @@ __all__ = ["LossScaler", "FP16Optimizer"]
 
 @dataclass
 class LossScaler:
-    """Static, or dynamic with SMP's defaults: halve on overflow, double after ``scale_window`` clean steps."""
+    """Static, or dynamic with SMP's defaults: halve on overflow, double after ``scale_window`` clean steps.
+
+    ``delayed_shift`` overflows in a row are needed to halve (hysteresis); the count is restored after
+    ``scale_window`` clean steps (when the scale grows), or after any clean step with ``consecutive_hysteresis``
+    (Megatron's ``DynamicLossScaler.update_scale``, which SMP's scaler follows).
+    """
 
     scale: float = 1.0
     dynamic: bool = False
@@ -60,6 +65,8 @@ class LossScaler:
             if self.consecutive_hysteresis:
                 self.hysteresis = self.delayed_shift
             if (self.iteration - self.last_overflow) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.hysteresis = self.delayed_shift
                 self.scale *= self.scale_factor
         self.iteration += 1
 
@@ -123,6 +130,15 @@ class FP16Optimizer:
     def load_local_fp16_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore scaler and masters exactly (16-bit weights alone would lose the masters' low bits)."""
         self.model.after_partition(lambda model: self._load_fp16(state_dict))
+
+    def refresh_masters(self, params: list[torch.nn.Parameter]) -> None:
+        """A model load after the masters were made: they take the loaded 16-bit values of ``params``, else
+        the next ``step()`` would copy the old masters back over the load (an fp16_states load comes after)."""
+        loaded = {id(p) for p in params}
+        with torch.no_grad():
+            for p, master in self._pairs:
+                if id(p) in loaded:
+                    master.copy_(p)
 
     def _load_fp16(self, state_dict: dict[str, Any]) -> None:
         for key, value in state_dict["loss_scaler"].items():

@@ -213,11 +213,15 @@ def test_delayed_module_without_reset_parameters_is_an_error() -> None:
         train_step(model, torch.zeros(2))
 
 
-def _fp16_run(path: str, steps: range, save_after: int | None, resume: bool) -> dict[str, torch.Tensor]:
+def _fp16_run(path: str, steps: range, save_after: int | None, resume: str | None) -> dict[str, torch.Tensor]:
+    """``resume``: "before" smp.DistributedModel (the loads wait for the model and optimizer) or "after" the
+    optimizer."""
     import smp_compat as smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "fp16": True, "auto_partition": False,
               "default_partition": 0})  # fmt: skip
+    if resume == "before":
+        smp.resume_from_checkpoint(path)
     torch.manual_seed(0)
     with smp.model_creation(dtype=torch.float16):
         net = _mlp()
@@ -226,7 +230,7 @@ def _fp16_run(path: str, steps: range, save_after: int | None, resume: bool) -> 
     smp.set_partition(net[4], 1)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
                                    dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 2})  # fmt: skip
-    if resume:
+    if resume == "after":
         smp.resume_from_checkpoint(path)
 
     @smp.step
@@ -247,10 +251,11 @@ def _fp16_run(path: str, steps: range, save_after: int | None, resume: bool) -> 
     return {"params": params, "masters": fp16_state["fp32_master_params"], "scale": opt.loss_scale}
 
 
-def test_fp16_checkpoint_resume_is_bitwise(tmp_path) -> None:
-    straight = run_ranks(_fp16_run, 2, str(tmp_path / "a"), range(3), 1, False, timeout=90)
-    run_ranks(_fp16_run, 2, str(tmp_path / "b"), range(2), 1, False, timeout=90)
-    resumed = run_ranks(_fp16_run, 2, str(tmp_path / "b"), range(2, 3), None, True, timeout=90)
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_fp16_checkpoint_resume_is_bitwise(tmp_path, when: str) -> None:
+    """Also when resumed before the optimizer exists: its fp16_states part (scale, masters) once was dropped."""
+    straight = run_ranks(_fp16_run, 2, str(tmp_path), range(3), 1, None, timeout=90)
+    resumed = run_ranks(_fp16_run, 2, str(tmp_path), range(2, 3), None, when, timeout=90)
     for a, b in zip(straight, resumed):
         assert a["scale"] == b["scale"]
         for key in ("params", "masters"):
@@ -276,3 +281,49 @@ def test_a_model_built_in_fp32_is_refused_with_the_fix(key: str) -> None:
 
     (message,) = run_ranks(wrap, 1, timeout=60)
     assert "every parameter of the model is float32" in message and "smp.model_creation(dtype=torch." in message
+
+
+def test_dynamic_loss_scaler_restores_its_hysteresis_when_the_scale_grows() -> None:
+    """Megatron's DynamicLossScaler.update_scale (SMP's): growth resets the overflows still tolerated."""
+    from smp_compat.precision.fp16 import LossScaler
+
+    args = {"init_scale": 1024.0, "scale_window": 2, "min_scale": 1, "delayed_shift": 2}
+    scaler = LossScaler.create(1.0, True, args)
+    scales = []
+    for overflow in [True, False, False, True, True, False, False, True, False, False]:
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    assert scales == [1024, 1024, 2048, 2048, 1024, 1024, 2048, 2048, 2048, 4096]
+
+
+def _load_after_first_step(key: str) -> dict[str, bool]:
+    """A model load once the masters exist, then a step with lr=0: the loaded weights must stay."""
+    import smp_compat as smp
+
+    smp.init({key: True})
+    with smp.model_creation(dtype=torch.float16 if key == "fp16" else torch.bfloat16):
+        model = smp.DistributedModel(_mlp())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    data = _data()
+    for i, lr in enumerate((0.5, 0.0)):
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad()
+        train_step(model, *data[i])
+        opt.step()
+        if i == 0:
+            model.load_state_dict({k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()})
+    return {"weights": all(bool((p == 0.25).all()) for p in model.local_parameters()),
+            "masters": all(bool((m == 0.25).all()) for _, m in opt.master_params())}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["fp16", "bf16"])
+def test_a_model_load_after_partitioning_is_kept_by_the_next_step(key: str) -> None:
+    (r,) = run_ranks(_load_after_first_step, 1, key, timeout=60)
+    assert r == {"weights": True, "masters": True}
