@@ -18,11 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import process_group, state
 from smp_compat.precision.master_norm import global_norm
 from smp_compat.precision.skipped_steps import SkipWatch
 
 __all__ = ["LossScaler", "FP16Optimizer"]
+
+
+_DYNAMIC_LOSS_ARGS = {"init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift",
+                      "consecutive_hysteresis"}
 
 
 @dataclass
@@ -50,6 +55,11 @@ class LossScaler:
         if not dynamic:
             return cls(scale=float(static_loss_scale))
         args = dict(args or {})
+        unknown = sorted(set(args) - _DYNAMIC_LOSS_ARGS)
+        if unknown:
+            raise SMPConfigError(
+                f"dynamic_loss_args has unknown key(s) {unknown}; SMP's keys are {sorted(_DYNAMIC_LOSS_ARGS)}."
+            )
         scaler = cls(scale=float(args.pop("init_scale", 2.0**32)), dynamic=True, **args)
         scaler.hysteresis = scaler.delayed_shift
         return scaler

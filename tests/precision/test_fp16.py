@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp_compat.testing import run_ranks
+from smp_compat.errors import SMPConfigError
 
 STEPS, BATCH, MB = 3, 8, 2
 
@@ -294,6 +295,8 @@ def test_dynamic_loss_scaler_restores_its_hysteresis_when_the_scale_grows() -> N
         scaler.update(overflow)
         scales.append(scaler.scale)
     assert scales == [1024, 1024, 2048, 2048, 1024, 1024, 2048, 2048, 2048, 4096]
+    with pytest.raises(SMPConfigError, match="scale_windows"):  # a typo raised a bare TypeError
+        LossScaler.create(1.0, True, {"scale_windows": 2})
 
 
 def _load_after_first_step(key: str) -> dict[str, bool]:
