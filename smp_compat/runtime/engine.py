@@ -102,7 +102,8 @@ class PipelineEngine(BackwardSide, ServingSide):
         self._call_local = self._compiler(call_local) if self._compiler is not None else call_local
         self._call_children = self._compiler(call_children) if self._compiler is not None else call_children
         self._driving: Driver | None = None
-        self._releases: dict[int, list[int]] = {}
+        self._releases: dict[int, list[tuple[int, int]]] = {}  # owner -> (step, microbatch) it may forget
+        self._step_number = 0
         self._ordered = (
             OrderedGradients([p for _, p in self.local_named_parameters() if p.requires_grad], self._driving_microbatch)
             if state.cfg.deterministic_server
@@ -151,8 +152,8 @@ class PipelineEngine(BackwardSide, ServingSide):
 
     def _calls(self, mb: int) -> MicrobatchCalls:
         calls = self._mb_calls.get(mb)
-        if calls is None:
-            calls = self._mb_calls[mb] = MicrobatchCalls(mb)
+        if calls is None or calls.step != self._step_number:
+            calls = self._mb_calls[mb] = MicrobatchCalls(mb, self._step_number)
         return calls
 
     # ------------------------------------------------------------------ caller side
@@ -276,16 +277,21 @@ class PipelineEngine(BackwardSide, ServingSide):
         finally:
             ctx.task.priority = priority
 
-    def _end_microbatch(self, mb: int, learn: bool = True) -> None:
-        """Learn which call sites only pass results on, and let owners drop this microbatch's values."""
-        calls = self._mb_calls.pop(mb, None)
-        if calls is None:
+    def _end_microbatch(self, mb: int, step: int | None = None, learn: bool = True) -> None:
+        """Learn which call sites only pass results on, and let owners drop this microbatch's values.
+
+        ``step``: a release's step; a release rides on the next message to its owner, which may belong to the
+        next step (a rank 0 -> 1 -> 0 call chain), when the record of that microbatch is a newer one.
+        """
+        calls = self._mb_calls.get(mb)
+        if calls is None or (step is not None and calls.step != step):
             return
+        del self._mb_calls[mb]
         for record in calls.records.values():
             if learn and record.passed_on and not record.triggered:
                 self._lazy_sites.add(record.site)
         for owner in sorted({r.owner for r in calls.records.values()}):
-            self._releases.setdefault(owner, []).append(mb)  # rides on the next message to that owner
+            self._releases.setdefault(owner, []).append((calls.step, mb))  # rides on the next message to owner
 
     def _send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
         """Send, with the microbatches ``dst`` may now forget attached (each message costs ~0.1 ms on gloo)."""
@@ -299,9 +305,11 @@ class PipelineEngine(BackwardSide, ServingSide):
     def _handle(self, message: Message) -> None:
         """Runs in whichever thread holds the baton: turn a message into wake-ups or new tasks."""
         kind, meta = message.kind, message.meta
-        for mb in meta.get("release", ()):  # the sender's earlier microbatches are over
-            self._hosted.pop((message.src, mb), None)
-            self._end_microbatch(mb, learn=self.lockstep is None)  # arrival order must not steer lockstep peers
+        for step, mb in meta.get("release", ()):  # the sender's earlier microbatches are over
+            hosted = self._hosted.get((message.src, mb))
+            if hosted is not None and hosted.step == step:
+                del self._hosted[(message.src, mb)]
+            self._end_microbatch(mb, step, learn=self.lockstep is None)  # arrival order must not steer lockstep
         if kind in ("fwd_ok", "fwd_err", "got"):
             self.scheduler.wake(self._waiting.pop(meta.get("call", meta.get("req"))), message)
         elif kind == "fwd":
@@ -332,6 +340,7 @@ class PipelineEngine(BackwardSide, ServingSide):
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
         """One ``@smp.step`` call: pp_rank 0 drives the microbatches, the other ranks serve until told to stop."""
         root = self.scheduler.adopt("step")
+        self._step_number += 1
         started = timeline.now()
         if self._ordered is not None:
             self._ordered.begin_step()

@@ -53,6 +53,7 @@ class MicrobatchCalls:
     """The remote calls this rank made for one microbatch, and what each owner already holds."""
 
     microbatch: int
+    step: int  # the engine's step number: a release that arrives a step late must not end a newer record
     records: dict[CallId, CallRecord] = field(default_factory=dict)
     held: dict[int, dict[int, tuple[Any, int, ValueId]]] = field(default_factory=dict)  # owner -> id -> (ref, version, value)
     site_counts: dict[Any, int] = field(default_factory=dict)
@@ -75,6 +76,7 @@ class MicrobatchCalls:
 class Hosted:
     """Owner side: the values one caller's calls of one microbatch received or produced here."""
 
+    step: int  # as MicrobatchCalls.step
     values: dict[ValueId, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[ValueId, torch.Tensor] = field(default_factory=dict)  # filled by ReceivedInputs.backward
     descriptions: dict[CallId, str] = field(default_factory=dict)  # module names, for error messages

@@ -38,6 +38,7 @@ class ServingSide:
     rank: int
     scheduler: Scheduler
     _hosted: dict[tuple[int, int], Hosted]
+    _step_number: int
     _arrivals: Iterator[int]
     _served_from: collections.defaultdict[int, Iterator[int]]
     pp_members: list[int]
@@ -81,7 +82,9 @@ class ServingSide:
         meta = message.meta
         call_id, mb = meta["call"], meta["mb"]
         description = f"{self._describe(meta['target'])} (microbatch {mb}, forward, called by rank {message.src})"
-        hosted = self._hosted.setdefault((message.src, mb), Hosted())
+        hosted = self._hosted.get((message.src, mb))
+        if hosted is None or hosted.step != self._step_number:  # the last step's, if its release is still to come
+            hosted = self._hosted[(message.src, mb)] = Hosted(self._step_number)
         set_context(Context(task, mb))
         set_current_microbatch(mb)
         try:

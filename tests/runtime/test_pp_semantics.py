@@ -216,6 +216,32 @@ class SandwichModel(nn.Module):
         return self.e(torch.tanh(h))
 
 
+class CallbackInner(nn.Module):
+    """On rank 1 (it has a parameter of its own), calling ``l0`` on rank 0: a 0 -> 1 -> 0 call chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((D,), 1.1))
+        self.l = nn.Linear(D, D)
+        with smp.partition(0):
+            self.l0 = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l0(torch.tanh(self.l(h)))) * self.gain
+
+
+class CallbackModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D_IN, D)
+        with smp.partition(1):
+            self.inner = CallbackInner()
+        self.out = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(torch.tanh(self.a(x))))
+
+
 class NestedPlacement(nn.Module):
     """Nested smp.partition blocks (the innermost wins) and a module left to default_partition."""
 
@@ -256,6 +282,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Loss]] = {
     "reuse": (ReuseModel, _plain_loss),
     "late_input": (LateInputModel, lambda m, x, y, e: F.mse_loss(m(x, e), y)),
     "sandwich": (SandwichModel, _plain_loss),
+    "callback": (CallbackModel, _plain_loss),
 }
 
 
@@ -332,7 +359,7 @@ def _check_against_reference(case: str, results: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------- training cases
 
 
-@pytest.mark.parametrize("case", ["kwargs", "loss_inside", "reuse", "late_input"])
+@pytest.mark.parametrize("case", ["kwargs", "loss_inside", "reuse", "late_input", "callback"])
 def test_forward_shapes_train_like_plain_pytorch(case: str) -> None:
     _check_against_reference(case, run_ranks(_train_ranks, 2, case, _config(), timeout=TIMEOUT))
 
