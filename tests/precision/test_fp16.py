@@ -17,6 +17,18 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+def _mse_step(smp):  # type: ignore[no-untyped-def]
+    """The @smp.step these tests train with: MSE of the model's output, model.backward."""
+
+    @smp.step
+    def train_step(model, x, y):  # type: ignore[no-untyped-def]
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(STEPS)]
@@ -40,11 +52,7 @@ def _train(key: str, overflow_at: int | None, clip: float | None) -> dict:
     if smp.pp_rank() == 1:  # an overflow in one stage's own parameter gradient only
         net[4].weight.register_hook(lambda g: g * float("inf") if step_index[0] == overflow_at else g)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = _mse_step(smp)
 
     scales, overflows, norms, changed = [], [], [], []
     for x, y in _data():
@@ -234,11 +242,7 @@ def _fp16_run(path: str, steps: range, save_after: int | None, resume: str | Non
     if resume == "after":
         smp.resume_from_checkpoint(path)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = _mse_step(smp)
 
     data = _data()
     for i in steps:
@@ -308,11 +312,7 @@ def _load_after_first_step(key: str) -> dict[str, bool]:
         model = smp.DistributedModel(_mlp())
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = _mse_step(smp)
 
     data = _data()
     for i, lr in enumerate((0.5, 0.0)):
