@@ -14,7 +14,7 @@ import torch
 
 from smp_compat.checkpoints import folders, state_dicts
 from smp_compat.checkpoints.convert import load_file
-from smp_compat.checkpoints.serialization import atomic_save
+from smp_compat.checkpoints.serialization import atomic_save, atomic_write
 from smp_compat.errors import CheckpointError
 
 __all__ = ["read_plan", "split_model", "module_owners", "write_checkpoint_parts", "write_save_parts"]
@@ -114,8 +114,13 @@ def _balanced_owners(entries: Mapping[str, Any], pp: int) -> dict[str, int]:
 
 def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.PathLike[str], tag: str,
                            plan: Mapping[str, Any] | None = None, optimizer_grid: list[list[Any]] | None = None,
-                           fp16_grid: list[list[Any]] | None = None) -> Path:  # fmt: skip
-    """A resumable partial checkpoint folder of parts ``grid[pp][tp]`` (optimizer, fp16 too), published atomically."""
+                           fp16_grid: list[list[Any]] | None = None,
+                           user_content: Path | None = None) -> Path:  # fmt: skip
+    """A resumable partial checkpoint folder of parts ``grid[pp][tp]`` (optimizer, fp16 too), published atomically.
+
+    ``user_content``: the source checkpoint's user_content file, copied as it is (what the script's resume
+    reads back: steps, scheduler state); without one, the folder's user_content is None.
+    """
     root = Path(root)
     name = f"{folders.check_tag(tag)}{folders.PARTIAL_SUFFIX}"
     root.mkdir(parents=True, exist_ok=True)
@@ -128,7 +133,11 @@ def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.P
             atomic_save(optimizer, staging / folders.optimizer_file(pp_rank, tp_rank))
     for (pp_rank, tp_rank), fp16, _ in _cells(fp16_grid or []):
         atomic_save(fp16, staging / folders.fp16_file(pp_rank, tp_rank))
-    atomic_save(None, staging / folders.USER_CONTENT_FILE)
+    if user_content is not None and user_content.is_file():
+        data = user_content.read_bytes()  # copied, not unpickled: it may hold objects safe loading refuses
+        atomic_write(staging / folders.USER_CONTENT_FILE, lambda handle: handle.write(data))
+    else:
+        atomic_save(None, staging / folders.USER_CONTENT_FILE)
     partition = None
     if plan is not None:
         partition = {"assignment": dict(plan["assignment"]), "pp_size": pp, "method": plan.get("method", "manual")}

@@ -230,12 +230,13 @@ def _merge(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | None, dict | None]:
-    """The whole model dict, its shard record, the optimizer dict and the fp16 masters (or None) to split."""
+def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | None, dict | None, Path | None]:
+    """The whole model dict, its shard record, the optimizer dict, the fp16 masters (or None) to split, and the
+    source checkpoint's user_content file (None for a single file)."""
     from smp_compat.checkpoints.fp16_reshard import merge_fp16_states
 
     source = Path(ns.source)
-    optimizer = fp16 = None
+    optimizer = fp16 = user_content = None
     if source.is_file():
         sd = convert.model_dict_of(convert.load_file(source, ns.unsafe), ns.key, source)
         table = None
@@ -245,19 +246,20 @@ def _split_source(ns: argparse.Namespace) -> tuple[dict, dict | None, dict | Non
         if layout.optimizer_parts and not ns.optimizer:
             optimizer = convert.merge_optimizer(layout, None, ns.unsafe)
         fp16 = merge_fp16_states(layout.folder, table, ns.unsafe)
+        user_content = layout.folder / folders.USER_CONTENT_FILE if layout.folder is not None else None
     if ns.like:
         like = convert.detect_layout(ns.like)
         table = convert.merge_model_with_shards(like, None, "none", ns.unsafe)[1] if table is None else table
     if ns.optimizer:
         path = Path(ns.optimizer)
         optimizer = dict(convert.optimizer_dict_of(convert.load_file(path, ns.unsafe), None, path))
-    return sd, table, optimizer, fp16  # no record and --tp > 1: split_grid explains what to pass
+    return sd, table, optimizer, fp16, user_content  # no record and --tp > 1: split_grid explains what to pass
 
 
 def _split(ns: argparse.Namespace) -> int:
     from smp_compat.checkpoints.fp16_reshard import split_fp16_states
 
-    sd, table, optimizer, fp16 = _split_source(ns)
+    sd, table, optimizer, fp16, user_content = _split_source(ns)
     plan = cutting.read_plan(ns.plan) if ns.plan else None
     parts = cutting.split_model(sd, ns.pp, plan)
     owners = cutting.module_owners(state_dicts.strip_markers(sd), ns.pp, plan)
@@ -269,7 +271,7 @@ def _split(ns: argparse.Namespace) -> int:
         paths = cutting.write_save_parts(grid, ns.output)
         print(f"wrote {len(paths)} smp.save part(s): {', '.join(str(p) for p in paths)} (smp.load({ns.output!r}))")
         return 0
-    folder = cutting.write_checkpoint_parts(grid, ns.output, ns.tag, plan, optimizer_grid, fp16_grid)
+    folder = cutting.write_checkpoint_parts(grid, ns.output, ns.tag, plan, optimizer_grid, fp16_grid, user_content)
     with_optimizer = "model and optimizer" if optimizer_grid else "model only"
     with_optimizer += ", fp32 masters" if fp16_grid else ""
     print(f"wrote {folder} ({with_optimizer}) for pipeline_parallel_degree={ns.pp}, tensor_parallel_degree={ns.tp}: "

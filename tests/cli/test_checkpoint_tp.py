@@ -38,8 +38,7 @@ def _job(tp: int, steps: range, resume: tuple[str, str] | None, save: tuple[str,
         hf = transformers.GPT2LMHeadModel(_config())
     model = smp.DistributedModel(hf)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
-    if resume is not None:
-        smp.resume_from_checkpoint(resume[0], tag=resume[1])
+    resumed = smp.resume_from_checkpoint(resume[0], tag=resume[1]) if resume is not None else None
 
     @smp.step
     def train_step(ids: torch.Tensor) -> torch.Tensor:
@@ -47,14 +46,14 @@ def _job(tp: int, steps: range, resume: tuple[str, str] | None, save: tuple[str,
         model.backward(loss)
         return loss
 
-    out: dict[str, Any] = {"losses": {}}
+    out: dict[str, Any] = {"losses": {}, "user_content": resumed}
     data = tm.batches(STEPS)
     for step in steps:
         opt.zero_grad()
         out["losses"][step] = train_step(tm.my_samples(smp, data[step])).reduce_mean().item()
         opt.step()
         if save is not None and step == save[2]:
-            smp.save_checkpoint(save[0], save[1], model=model, optimizer=opt)
+            smp.save_checkpoint(save[0], save[1], model=model, optimizer=opt, user_content={"step": step})
             bundle = {"model": model.local_state_dict(), "optimizer": opt.local_state_dict(), "step": step}
             smp.save(bundle, f"{save[0]}/bundle.pt", partial=True)  # AWS's scripts' smp.save parts
             out["full"] = {k: v.clone() for k, v in model.state_dict().items()}  # (it aliases replicated params)
@@ -126,6 +125,7 @@ def test_split_to_tp1_and_back_to_tp2_continue_the_training(tp2_run: tuple[Path,
     assert main(["checkpoint", "split", str(tp1_dir), "--source-tag", "s3", "--tp", "2", "-o", str(tp2_dir),
                  "--tag", "from_tp1"]) == 0  # fmt: skip
     again = run_ranks(_job, 2, 2, range(4, STEPS), (str(tp2_dir), "from_tp1"), None, timeout=180)
+    assert again[0]["user_content"] == {"step": 3}  # the re-cut folder keeps the source's (it wrote None)
     _assert_losses(_mean_losses(again, range(4, STEPS)), _mean_losses(tp1, range(4, STEPS)))
     assert again[0]["local"] == tp2[0]["local"] < tp1[0]["local"]  # each tp rank holds only its shards
 
