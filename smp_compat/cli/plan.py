@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from smp_compat import shim
 from smp_compat.config import SMPConfig, extract_mp_parameters, resolve_config
 from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import state
@@ -152,6 +153,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
             f"The model factory {spec!r} must be MODULE:FUNCTION (e.g. examples.mnist_cnn:make_model or "
             "examples/mnist_cnn.py:make_model)."
         )
+    shim.install()  # an unmodified SMP script imports smdistributed.modelparallel.torch, as under `run`
     module = _import_module(target)
     factory = getattr(module, attr, None)
     if not callable(factory):

@@ -91,6 +91,19 @@ def test_factory_errors_name_what_to_pass(tmp_path: Path) -> None:
         plan_model(load_factory(str(tmp_path / "factory.py") + ":make"), parse_inputs("2x2"))
 
 
+def test_a_factory_in_an_unmodified_smp_script_loads(tmp_path: Path) -> None:
+    """An SMP script imports smdistributed.modelparallel.torch: plan puts the shim on the path, as run does."""
+    from smp_compat import shim
+
+    script = tmp_path / "smp_script.py"
+    script.write_text("import smdistributed.modelparallel.torch as smp\nimport torch\n\n"
+                      "def make():\n    return torch.nn.Linear(2, 2)\n")  # fmt: skip
+    try:
+        assert isinstance(load_factory(f"{script}:make")(), nn.Linear)  # was ModuleNotFoundError
+    finally:
+        shim.uninstall()
+
+
 def test_command_prints_the_tables(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", [str(Path(__file__).parent), *sys.path])
     config = '{"partitions": 2, "microbatches": 2}'
