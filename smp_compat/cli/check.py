@@ -19,7 +19,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from smp_compat.cli.scan import API_KINDS, ERROR, RANK, FileReport, Finding, check_source, record_config_key, record_mpi_key
+from smp_compat.cli.scan import (
+    API_KINDS,
+    ERROR,
+    RANK,
+    ConfigValue,
+    FileReport,
+    Finding,
+    check_source,
+    record_config_key,
+    record_config_rules,
+    record_mpi_key,
+)
 from smp_compat.cli.support import Status
 
 __all__ = ["ERROR", "FileReport", "Finding", "check_command", "check_file", "check_json", "check_source", "main"]
@@ -67,10 +78,14 @@ def check_json(path: Path, display: str | None = None) -> FileReport:
         params = section
     start = lines.get("parameters", [1])[0] if params is not data else 1
     if isinstance(params, dict):
+        values: list[ConfigValue] = []
         for key, value in params.items():
             if params is data and key in ("mpi", "smdistributed"):
                 continue
-            record_config_key(report, key, _line_after(lines, key, start), value, True, json.dumps(value))
+            line = _line_after(lines, key, start)
+            record_config_key(report, key, line, value, True, json.dumps(value))
+            values.append(ConfigValue(key, line, value, True))
+        record_config_rules(report, values)
     mpi = data.get("mpi")
     if isinstance(mpi, dict):
         mpi_start = lines.get("mpi", [1])[0]
@@ -189,12 +204,13 @@ def _check_all(paths: list[Path]) -> list[FileReport]:
 
 
 def check_command(argv: list[str]) -> int:
-    """``smp-compat check``: exit 0 when nothing is unsupported, 1 when something is, 2 when a file is unreadable."""
+    """``smp-compat check``: exit 0 when nothing is unsupported or an error, 1 when something is, 2 when a file is
+    unreadable."""
     parser = argparse.ArgumentParser(
         prog="smp-compat check",
         description="List every SMP v1 API and config key that scripts and JSON configs use, with its status in "
-        "smp_compat and what to change. Nothing is run. Exit status: 0 nothing unsupported, 1 something "
-        "unsupported or invalid, 2 a file could not be read.",
+        "smp_compat and what to change; literal config values are validated as smp.init does. Nothing is run. "
+        "Exit status: 0 nothing unsupported, 1 something unsupported or invalid, 2 a file could not be read.",
         allow_abbrev=False,
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="Python scripts, JSON configs, or directories")

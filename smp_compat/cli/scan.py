@@ -3,7 +3,9 @@
 ``smp-compat check`` (``check.py``) reports them. Every use of ``smdistributed.modelparallel.torch`` (under any import alias, ``from ... import`` names and
 attribute chains such as ``smp.nn.DistributedLinear`` or ``smp.state.cfg.fp16``) and every config key (dicts
 passed to ``smp.init``, ``"parameters"`` of a SageMaker distribution dict, JSON config files) is looked up
-in :mod:`smp_compat.cli.support`, the registry the docs table is generated from. Members used on the objects
+in :mod:`smp_compat.cli.support`, the registry the docs table is generated from. Literal config values go
+through smp.init's own validation (``SMPConfig``'s field types; ``config.rules`` between keys when the whole
+dict is literal). Members used on the objects
 SMP returns (``model.local_state_dict()``, ``optimizer.clip_master_grads``, ``loss.reduce_mean()``) are
 found by :mod:`smp_compat.cli.check_members`.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +22,19 @@ from typing import Any
 
 from smp_compat.cli.check_members import report_members
 from smp_compat.config import SMPConfig
+from smp_compat.config.rules import rule_problems
+from smp_compat.config.schema import FIELD_BY_KEY, canonical_key, canonicalize, value_problem
 from smp_compat.cli.support import CONFIG, Status, config_value_status, lookup_api, suggest_key
+from smp_compat.errors import SMPConfigError
 
-__all__ = ["API_KINDS", "ERROR", "RANK", "FileReport", "Finding", "check_source", "record_config_key", "record_mpi_key"]
+__all__ = [
+    "API_KINDS", "ERROR", "RANK", "FileReport", "Finding", "check_source", "record_config_key", "record_config_rules",
+    "record_mpi_key",
+]  # fmt: skip
 
 ERROR = "error"
-"""A status beyond the registry's: something SMP itself would reject too (unknown key or name, bad JSON)."""
+"""A status beyond the registry's: something SMP itself would reject too (unknown key or name, a config value
+or combination of values that smp.init refuses, bad JSON)."""
 
 PKG = "smdistributed.modelparallel.torch"
 _PKG_PARTS = PKG.split(".")
@@ -165,13 +175,53 @@ def _did_you_mean(key: str) -> str:
 
 
 def record_config_key(report: FileReport, key: str, line: int, value: Any, known: bool, shown: str) -> None:
-    """One key of an SMP parameters dict, judged with its value when that is a literal."""
+    """One key of an SMP parameters dict, judged with its value when that is a literal.
+
+    A literal value that smp.init refuses (an int for a float key, ``"true"`` for a bool, ``"Cluster"``) is an
+    error with the schema's own message; a value computed at run time is never judged that way.
+    """
     if key not in CONFIG:
         report.add("config", key, line, ERROR, "Not an SMP v1 config key: SMP and smp_compat both reject unknown "
                    "keys at smp.init.", _did_you_mean(key), shown)  # fmt: skip
         return
+    problem = value_problem(key, value) if known else None
+    if problem is not None:
+        report.add("config", key, line, ERROR, f"smp.init rejects this value: {problem}", "", shown)
+        return
     status, note = config_value_status(key, value, known)
     report.add("config", key, line, status, note, CONFIG[key].action if status is not Status.SUPPORTED else "", shown)
+
+
+@dataclass
+class ConfigValue:
+    """One key of a config dict, for the rules between keys; ``known``: its value is a literal."""
+
+    key: str
+    line: int
+    value: Any = None
+    known: bool = False
+
+
+def record_config_rules(report: FileReport, values: list[ConfigValue]) -> None:
+    """The rules between keys that smp.init applies (``rules.rule_problems``, aliases given twice), on a dict
+    whose every value is a valid literal (a JSON file, a literal dict); otherwise nothing is judged."""
+    values = [v for v in values if canonical_key(v.key) in FIELD_BY_KEY]
+    if not values or not all(v.known and value_problem(v.key, v.value) is None for v in values):
+        return
+    try:
+        params = canonicalize({v.key: v.value for v in values}, "the config")
+        problems = rule_problems(SMPConfig.model_construct(**params))  # each value was validated above
+    except SMPConfigError as exc:  # one key spelled twice (`partitions` and `pipeline_parallel_degree`)
+        problems = [str(exc)]
+    for problem in problems:
+        named = [v for v in values if _names(problem, v.key)] or values[:1]
+        for v in named:
+            report.add("config", v.key, v.line, ERROR, f"smp.init rejects this combination: {problem}", "")
+
+
+def _names(problem: str, key: str) -> bool:
+    """Whether a rule's message is about ``key`` (an alias counts as its SMP name)."""
+    return re.search(rf"(?<!\w){re.escape(canonical_key(key))}(?!\w)", problem) is not None
 
 
 def record_mpi_key(report: FileReport, key: str, line: int, shown: str) -> None:
@@ -208,6 +258,11 @@ def _literal(node: ast.AST) -> tuple[Any, bool]:
         return ast.literal_eval(node), True
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return None, False
+
+
+def _whole_literal(node: ast.AST) -> bool:
+    """A dict display whose keys are all written out (no ``**other``): what smp.init gets is exactly this."""
+    return isinstance(node, ast.Dict) and all(_const_str(key) is not None for key in node.keys)
 
 
 def _const_str(node: ast.AST | None) -> str | None:
@@ -379,10 +434,14 @@ class _Source:
         if allow_distribution and keys & {"smdistributed", "modelparallel"}:
             self._distribution_items(items)
             return
+        values = []
         for key, value, key_line in items:
             if key is not None:
                 literal, known = _literal(value)
                 record_config_key(self.report, key, key_line, literal, known, self._shown(value, literal, known))
+                values.append(ConfigValue(key, key_line, literal, known))
+        if _whole_literal(node):  # a dict built up elsewhere may be changed before smp.init: no rules judged
+            record_config_rules(self.report, values)
 
     def _shown(self, node: ast.AST, literal: Any, known: bool) -> str:
         text = repr(literal) if known else (ast.get_source_segment(self.text, node) or "<expression>")

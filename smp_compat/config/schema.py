@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import TypeAdapter
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from smp_compat.config.rules import rule_problems, world_size_problem
 from smp_compat.errors import SMPConfigError
 
-__all__ = ["ENV_VAR", "NOT_ACTED_ON", "SMP_KEYS", "SMPConfig", "UNSUPPORTED", "FIELD_BY_KEY", "canonicalize"]
+__all__ = [
+    "ENV_VAR",
+    "NOT_ACTED_ON",
+    "SMP_KEYS",
+    "SMPConfig",
+    "UNSUPPORTED",
+    "FIELD_BY_KEY",
+    "canonical_key",
+    "canonicalize",
+    "value_problem",
+]
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 """Where SageMaker puts the estimator's mp parameters (JSON); every key there overrides smp.init's dict."""
@@ -290,6 +302,36 @@ def canonicalize(params: Mapping[Any, Any], source: str) -> dict[str, Any]:
         if key not in out or raw_key == key:
             out[key], spelled[key] = value, raw_key
     return out
+
+
+def canonical_key(raw_key: str) -> str:
+    """The SMP spelling of a key or alias (`partitions` -> `pipeline_parallel_degree`); unknown keys unchanged."""
+    return _ALIASES.get(raw_key, _smp_key(raw_key))
+
+
+def value_problem(key: str, value: Any) -> str | None:
+    """What smp.init says about ``key: value`` on its own (type, choices, bounds), or None when it accepts it.
+
+    The field's own validation from SMPConfig (same type, validators and bounds, strict), for one key (an alias
+    is fine); unknown keys and the cross-key rules (``rules.rule_problems``) are left out, so a static checker
+    that knows only some values can use it.
+    """
+    field = FIELD_BY_KEY.get(canonical_key(key))
+    if field is None:
+        return None
+    try:
+        _field_adapter(field).validate_python(value)
+    except ValidationError as exc:
+        errors = [{**err, "loc": (field, *err["loc"])} for err in exc.errors()]
+        return "\n".join(_describe_error(err) for err in errors)  # type: ignore[arg-type]
+    return None
+
+
+@functools.cache
+def _field_adapter(name: str) -> TypeAdapter[Any]:
+    info = SMPConfig.model_fields[name]
+    kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation  # 3.10 syntax
+    return TypeAdapter(kind, config=ConfigDict(strict=True))
 
 
 def _describe_validation_error(exc: ValidationError) -> str:

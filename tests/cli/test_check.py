@@ -12,6 +12,8 @@ import pytest
 from smp_compat import cli
 from smp_compat.cli.check import ERROR, FileReport, check_file, check_source
 from smp_compat.cli.support import API, CONFIG, METHODS, Status, config_value_status
+from smp_compat.config import SMPConfig
+from smp_compat.errors import SMPConfigError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "smp_scripts"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -131,14 +133,14 @@ HF = [
 ]
 
 LAUNCHER = [
-    ("config", "partitions", [8], S),
+    ("config", "partitions", [8], ERROR),  # smp.init refuses sharded data parallelism with pipeline stages
     ("config", "microbatches", [9], S),
     ("config", "placement_strategy", [10], S),
     ("config", "pipeline", [11], S),
     ("config", "optimize", [12], key("optimize", "memory")),
     ("config", "ddp", [13], S),
     ("config", "tensor_parallel_degree", [14], S),  # 1: the default
-    ("config", "sharded_data_parallel_degree", [15], S),  # sharded data parallelism (issue 13)
+    ("config", "sharded_data_parallel_degree", [15], ERROR),  # 4, with partitions 2: the same cross-key rule
     ("config", "memory_weigth", [16], ERROR),
     ("launch", "mpi.enabled", [21], S),
     ("launch", "mpi.processes_per_host", [22], S),
@@ -306,3 +308,124 @@ def test_json_output_and_unreadable_files(tmp_path: Path, capsys: pytest.Capture
     assert data["files"][1]["error"].startswith("not valid JSON")
     statuses = [status for *_, status in MNIST]
     assert data["summary"] == {s: statuses.count(s) for s in (S, P, U, ERROR)}
+
+
+# ---------------------------------------------------------------- values smp.init rejects
+
+
+def _statuses(code: str) -> dict[str, str]:
+    return {name: status for kind, name, _, status in _check(code) if kind == "config"}
+
+
+def _notes(report: FileReport) -> dict[str, str]:
+    return {f.name: f.note for f in report.findings if f.kind == "config"}
+
+
+def _init_message(config: dict[str, Any]) -> str:
+    with pytest.raises(SMPConfigError) as info:
+        SMPConfig(**config)
+    return str(info.value)
+
+
+def test_literal_values_that_smp_init_rejects_are_errors() -> None:
+    code = """
+        import smdistributed.modelparallel.torch as smp
+        smp.init({"partitions": 2, "microbatches": 4, "memory_weight": 1, "ddp": "true",
+                  "placement_strategy": "Cluster"})
+    """
+    report = check_source(textwrap.dedent(code).lstrip())
+    assert _statuses(code) == {
+        "partitions": S, "microbatches": S, "memory_weight": ERROR, "ddp": ERROR, "placement_strategy": ERROR,
+    }  # fmt: skip
+    notes = _notes(report)
+    for name, value in [("memory_weight", 1), ("ddp", "true"), ("placement_strategy", "Cluster")]:
+        problem = notes[name].removeprefix("smp.init rejects this value: ")
+        assert problem != notes[name] and problem in _init_message({name: value})  # smp.init's own wording
+    assert "write 1.0" in notes["memory_weight"] and 'write "cluster"' in notes["placement_strategy"]
+
+
+def test_json_config_values_and_cross_key_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"partitions": 2, "microbatches": 4, "memory_weight": 1, "ddp": "true",
+              "sharded_data_parallel_degree": 2}  # fmt: skip
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config, indent=2))
+    report = check_file(path)
+    assert [(name, status) for _, name, _, status in _findings(report)] == [
+        ("partitions", S), ("microbatches", S), ("memory_weight", ERROR), ("ddp", ERROR),
+        ("sharded_data_parallel_degree", S),
+    ]  # fmt: skip
+    path.write_text(json.dumps({**config, "memory_weight": 1.0, "ddp": True}))  # rules: once every value is valid
+    report = check_file(path)
+    assert {name for _, name, _, status in _findings(report) if status == ERROR} == {
+        "partitions", "sharded_data_parallel_degree"}
+    rule = _init_message({"partitions": 2, "sharded_data_parallel_degree": 2})
+    notes = _notes(report)
+    for name in ("partitions", "sharded_data_parallel_degree"):
+        assert notes[name].startswith("smp.init rejects this combination: ")
+        assert notes[name].removeprefix("smp.init rejects this combination: ") in rule
+    assert cli.main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "Change the unsupported and error rows" in out and "Nothing blocks" not in out
+    fixed = {**config, "memory_weight": 1.0, "ddp": True, "sharded_data_parallel_degree": 1}
+    path.write_text(json.dumps(fixed))
+    assert cli.main(["check", str(path)]) == 0, capsys.readouterr().out
+    SMPConfig(**fixed)  # what check passes, smp.init takes
+
+
+def test_estimator_distribution_values_are_validated() -> None:
+    found = _statuses("""
+        from sagemaker.pytorch import PyTorch
+        smp_options = {"enabled": True, "parameters": {"partitions": 2, "microbatches": 4, "ddp": True,
+                                                      "memory_weight": 1.0, "sharded_data_parallel_degree": 2}}
+        est = PyTorch(entry_point="train.py", distribution={"smdistributed": {"modelparallel": smp_options}})
+    """)
+    assert found == {"partitions": ERROR, "microbatches": S, "ddp": S, "memory_weight": S,
+                     "sharded_data_parallel_degree": ERROR}  # fmt: skip
+
+
+def test_a_rule_broken_only_through_a_default_is_an_error_in_a_whole_literal() -> None:
+    found = _statuses("""
+        import smdistributed.modelparallel.torch as smp
+        smp.init({"tensor_parallel_degree": 2, "microbatches": 4})
+    """)
+    assert found == {"tensor_parallel_degree": ERROR, "microbatches": S}  # ddp left out: False, as smp.init sees it
+
+
+def test_values_the_scanner_cannot_read_are_never_errors() -> None:
+    assert set(_statuses("""
+        import smdistributed.modelparallel.torch as smp
+        smp.init({"ddp": args.ddp > 0, "tensor_parallel_degree": 2, "horovod": True,
+                  "memory_weight": args.memory_weight, "placement_strategy": args.placement_strategy})
+    """).values()) <= {S, P}  # ddp may be True at run time: neither rule that involves it can be judged
+    assert set(_statuses("""
+        import smdistributed.modelparallel.torch as smp
+        smp.init({**vars(args), "tensor_parallel_degree": 2})
+    """).values()) <= {S, P}  # ddp may come from vars(args)
+    assert set(_statuses("""
+        import smdistributed.modelparallel.torch as smp
+        cfg = {"tensor_parallel_degree": 2}
+        if args.dp:
+            cfg["ddp"] = True
+        smp.init(cfg)
+    """).values()) <= {S, P}  # set under a condition: not known to be False either
+    assert set(_statuses("""
+        import smdistributed.modelparallel.torch as smp
+        cfg = {"tensor_parallel_degree": 2, "ddp": True}
+        cfg.update(overrides)
+        smp.init(cfg)
+    """).values()) <= {S, P}  # overrides may set ddp back to False
+
+
+def test_partly_literal_dicts_judge_each_literal_value_but_no_rule() -> None:
+    found = _statuses("""
+        import smdistributed.modelparallel.torch as smp
+        smp.init({**vars(args), "memory_weight": 1, "ddp": args.ddp,
+                  "sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2})
+    """)
+    assert found["memory_weight"] == ERROR and found["ddp"] == S  # a literal value is judged even so
+    assert found["sharded_data_parallel_degree"] == S  # values read at run time: no rule between keys judged
+    found = _statuses("""
+        import smdistributed.modelparallel.torch as smp
+        smp.init({"partitions": 2, "pipeline_parallel_degree": 4})
+    """)
+    assert found == {"partitions": ERROR, "pipeline_parallel_degree": ERROR}  # two spellings, two values
