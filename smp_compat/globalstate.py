@@ -98,7 +98,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     if launch.world_size > 1 or cfg.ddp:
         _init_process_groups(launch, topology, backend)
     state.initialized = True
-    atexit.register(shutdown)
+    atexit.register(_at_exit)
     _warn_not_acted_on(cfg)
     if launch.rank == 0:
         log.info("smp_compat initialized: %s", cfg.to_dict())
@@ -231,7 +231,7 @@ def reset() -> None:
     if engine is not None:
         engine.close()
     failure.stop_watch()
-    atexit.unregister(shutdown)
+    atexit.unregister(_at_exit)
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     state.__init__()  # type: ignore[misc]
@@ -240,6 +240,12 @@ def reset() -> None:
 def shutdown() -> None:
     """Tear down process groups; SMP ran this at exit."""
     reset()
+
+
+def _at_exit() -> None:
+    """Interpreter exit without ``smp.shutdown``: tell the other ranks when this rank left early, then shut down."""
+    failure.exiting()
+    shutdown()
 
 
 # ---------------------------------------------------------------- launcher switches: core binding, malloc tuning
