@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SMPError as exc:
         print(f"smp-compat {args[0]}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `smp-compat checkpoint info ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
 
 
 if __name__ == "__main__":

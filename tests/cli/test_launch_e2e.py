@@ -329,3 +329,16 @@ def test_shim_is_absent_by_default_and_boots_from_pythonpath() -> None:
     first, second = proc.stdout.splitlines()[-2:]
     assert first == "absent" or not first.startswith(shim.SITE_DIR)  # a real SMP install may exist
     assert second == f"True True smp_compat {shim.SMP_API_VERSION}"
+
+
+def test_output_cut_short_by_the_reader_ends_quietly(tmp_path: Path) -> None:
+    """`smp-compat checkpoint info ... | head`: the closed pipe raised BrokenPipeError with a traceback."""
+    code = ("import sys\nfrom smp_compat.cli import commands\n"
+            "commands.COMMANDS['checkpoint'] = commands.Command('x', lambda a: [print('line', i) for i in range(10**6)])\n"
+            "sys.exit(commands.main(['checkpoint']))\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=clean_env(), cwd=tmp_path)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"line")
+    proc.stdout.close()  # the reader is done, like `head`
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
