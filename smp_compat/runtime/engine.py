@@ -335,6 +335,14 @@ class PipelineEngine(BackwardSide, ServingSide):
             if cause is not None:
                 failure.stop_because(cause)
             raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
+        elif kind == "peer_closed" and self._end_step is None:  # handled only in a step: one that needs the peer
+            cause = failure.peer_failure(wait=2.0, exits=True)
+            if cause is not None:
+                failure.stop_because(cause)
+            raise RemoteError(
+                f"rank {message.src} left the job (it closed its pipeline connection) while rank {self.rank} was in "
+                "a step with it: every rank must make the same @smp.step calls (did it return or sys.exit early?)."
+            )
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:

@@ -262,7 +262,8 @@ class Transport:
                 capacity = message.meta["bytes"]
                 continue
             _record(f"recv<-{src}", message.kind, start)
-            if message.kind == "close":
+            if message.kind == "close":  # the peer shut down; the engine decides whether that was too early
+                self.deliver(Message("peer_closed", src))
                 return
             self.deliver(message)
 

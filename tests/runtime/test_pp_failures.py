@@ -84,6 +84,8 @@ def _job(fault: str) -> str:
 
     x, y = torch.randn(4, D), torch.randn(4, 1)
     for step in range(3):
+        if fault == "leave" and step == 1 and smp.pp_rank() == 1:
+            return "left early"  # a script bug: this rank stops making the step calls
         _STEP[0] = step
         optimizer.zero_grad()
         train_step(model, x, y)
@@ -129,6 +131,14 @@ def test_step_body_error_on_rank_0_stops_rank_1(capfd: pytest.CaptureFixture[str
     assert _stopped_by_watch(ranks[1]), ranks[1]
     err = capfd.readouterr().err
     assert "stopping rank 1 because rank 0: RuntimeError: the step body failed on purpose" in err, err[-3000:]
+
+
+def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_pipeline_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_job, 2, "leave", timeout=30)  # rank 0 waited SMP_PIPELINE_TIMEOUT_S (300 s) for it
+    assert time.monotonic() - start < BOUND_S
+    assert "rank 1 left the job" in _sections(str(info.value))[0]
 
 
 def test_backward_error_on_rank_1_ends_every_rank_with_the_message() -> None:
