@@ -293,7 +293,7 @@ def canonicalize(params: Mapping[Any, Any], source: str) -> dict[str, Any]:
                 f"Config keys must be strings, but {source} has the key {raw_key!r} ({type(raw_key).__name__}); "
                 "use SMP's key names such as 'pipeline_parallel_degree'."
             )
-        key = _ALIASES.get(raw_key, _smp_key(raw_key))
+        key = canonical_key(raw_key)
         if key in out and out[key] != value:
             raise SMPConfigError(
                 f"{source} gives both {spelled[key]!r} ({out[key]!r}) and {raw_key!r} ({value!r}), two names for "
