@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 __all__ = [
     "start_watch", "stop_watch", "publish", "publish_exception", "peer_failure", "stop_because", "POLL_SECONDS",
-    "exiting", "looks_like_lost_peer",
+    "exiting", "looks_like_lost_peer", "raised_elsewhere", "stop_if_echo",
     "ERROR_FILE_ENV", "RootCause", "root_of", "summary", "write_error_file", "default_store",
 ]  # fmt: skip
 
@@ -122,12 +122,7 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
     A lost connection (a collective's peer went away) is usually another rank's failure or early exit:
     when one is published, this rank stops because of it, with one line, instead of reporting its own.
     """
-    if looks_like_lost_peer(exc):
-        cause = _peer_cause(wait=2.0)
-        if cause is not None:
-            _record_stop(cause)
-            time.sleep(_grace(cause))  # as the watch does: launchers report the first exit as the cause
-            stop_because(cause)
+    stop_if_echo(exc)
     publish_exception(exc)
     root = root_of(exc, _watch.rank)
     details = "".join(traceback.format_exception(kind, exc, tb)).rstrip()
@@ -136,6 +131,28 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
+
+
+def stop_if_echo(exc: BaseException) -> None:
+    """An uncaught error that echoes another rank's failure (a lost connection, or a failed pipeline step's
+    copy): when that rank's failure is published, stop because of it (exit 17) instead of reporting this one."""
+    if looks_like_lost_peer(exc) or _raised_elsewhere(exc):
+        cause = _peer_cause(wait=2.0)
+        if cause is not None:
+            _record_stop(cause)
+            time.sleep(_grace(cause))  # as the watch does: launchers report the first exit as the cause
+            stop_because(cause)
+
+
+def raised_elsewhere(exc: BaseException, origin: int, rank: int) -> None:
+    """Mark a step's error that ``rank`` raises because rank ``origin`` raised it first (a failed pipeline step):
+    uncaught here too, it stops this rank because of ``origin``'s failure instead of being reported twice."""
+    exc.add_note(f"(raised on rank {origin}; rank {rank} ended the same step with it)")
+    exc._smp_raised_on = origin  # type: ignore[attr-defined]
+
+
+def _raised_elsewhere(exc: BaseException) -> bool:
+    return getattr(exc, "_smp_raised_on", None) is not None
 
 
 def _poll() -> None:

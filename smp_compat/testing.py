@@ -105,8 +105,10 @@ def _child(
 
 
 def _publish(exc: BaseException) -> None:
+    """As an uncaught error in a launched job: an echo of another rank's failure stops this rank (exit 17)."""
     from smp_compat import failure
 
+    failure.stop_if_echo(exc)
     failure.publish_exception(exc)
 
 

@@ -47,6 +47,22 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x) + 0.5 * x0)
 
 
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, error: Exception) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+        ctx.error = error
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:  # type: ignore[no-untyped-def, override]
+        raise ctx.error
+
+
+def fail_in_backward(x: torch.Tensor, error: Exception) -> torch.Tensor:
+    """The identity in forward; raises ``error`` when the backward reaches it (the failure tests' fault)."""
+    return _FailInBackward.apply(x, error)
+
+
 def causal_mask(seq: int) -> torch.Tensor:
     return torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smp_compat.cli.check_cuda import unguarded_cuda_calls
 from smp_compat.cli.check_members import report_members
 from smp_compat.config import SMPConfig
 from smp_compat.config.rules import rule_problems
@@ -482,6 +483,7 @@ def check_source(text: str, path: str = "<string>", file_path: Path | None = Non
     source = _Source(tree, text, report, file_path)
     source.collect()
     source.walk()
+    report.hints.extend(unguarded_cuda_calls(tree))
     if source.aliases:  # objects SMP returns exist only where SMP is imported
         report_members(report, tree, source._resolve, text)
     return report

@@ -42,6 +42,7 @@ from smp_compat.runtime.remote import (
 from smp_compat.runtime.rng_streams import MicrobatchRng
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.backward import BackwardSide
+from smp_compat.runtime.failed_step import ABORT, FailedStepSide
 from smp_compat.runtime.lockstep import DECISION, create_lockstep
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
@@ -57,9 +58,9 @@ __all__ = ["PipelineEngine"]
 log = logging.getLogger("smp_compat")
 
 
-class PipelineEngine(BackwardSide, ServingSide):
+class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
     """Everything pipeline-specific of one DistributedModel (the owner side of calls is in serving.py, the
-    caller's backward in backward.py)."""
+    caller's backward in backward.py, ending a failed step in failed_step.py)."""
 
     @classmethod
     def create(cls, model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> PipelineEngine:
@@ -113,6 +114,9 @@ class PipelineEngine(BackwardSide, ServingSide):
         self.scheduler.rng = self._rng
         self._step: StepRun | None = None
         self._end_step: Message | None = None
+        self._abort = None
+        self._deferred: list[Message] = []
+        self._broken: str | None = None
         self._closed = False
         if self.rank == 0:
             log.info("Partition plan (%s):\n%s", plan.method, render_plan(plan, self.root))
@@ -287,6 +291,7 @@ class PipelineEngine(BackwardSide, ServingSide):
         if calls is None or (step is not None and calls.step != step):
             return
         del self._mb_calls[mb]
+        learn = learn and self._abort is None  # an unwound microbatch did not show what its results are for
         for record in calls.records.values():
             if learn and record.passed_on and not record.triggered:
                 self._lazy_sites.add(record.site)
@@ -294,7 +299,11 @@ class PipelineEngine(BackwardSide, ServingSide):
             self._releases.setdefault(owner, []).append((calls.step, mb))  # rides on the next message to owner
 
     def _send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
-        """Send, with the microbatches ``dst`` may now forget attached (each message costs ~0.1 ms on gloo)."""
+        """Send, with the microbatches ``dst`` may now forget attached (each message costs ~0.1 ms on gloo).
+
+        While a failed step ends, tasks unwind and only the abort markers go out."""
+        if self._abort is not None and kind != ABORT:
+            return
         meta = dict(meta or {})
         releases = self._releases.pop(dst, None)
         if releases:
@@ -305,6 +314,8 @@ class PipelineEngine(BackwardSide, ServingSide):
     def _handle(self, message: Message) -> None:
         """Runs in whichever thread holds the baton: turn a message into wake-ups or new tasks."""
         kind, meta = message.kind, message.meta
+        if self._abort is not None and not self._handles_while_aborting(message):
+            return
         for step, mb in meta.get("release", ()):  # the sender's earlier microbatches are over
             hosted = self._hosted.get((message.src, mb))
             if hosted is not None and hosted.step == step:
@@ -330,15 +341,19 @@ class PipelineEngine(BackwardSide, ServingSide):
             self._end_step = message
             if self.scheduler.root is not None:
                 self.scheduler.wake(self.scheduler.root, message)
+        elif kind == ABORT:
+            self._receive_abort(message.src, meta)
         elif kind == "transport_error":
             cause = failure.peer_failure(wait=2.0)  # a lost connection usually means a rank failed
             if cause is not None:
                 failure.stop_because(cause)
+            self._break(f"pipeline transport on rank {self.rank} failed")
             raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
         elif kind == "peer_closed" and self._end_step is None:  # handled only in a step: one that needs the peer
             cause = failure.peer_failure(wait=2.0, exits=True)
             if cause is not None:
                 failure.stop_because(cause)
+            self._break(f"rank {message.src} left the job")
             raise RemoteError(
                 f"rank {message.src} left the job (it closed its pipeline connection) while rank {self.rank} was in "
                 "a step with it: every rank must make the same @smp.step calls (did it return or sys.exit early?)."
@@ -347,8 +362,10 @@ class PipelineEngine(BackwardSide, ServingSide):
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
         """One ``@smp.step`` call: pp_rank 0 drives the microbatches, the other ranks serve until told to stop."""
+        self._require_usable()
         root = self.scheduler.adopt("step")
         self._step_number += 1
+        self._replay_deferred()
         started = timeline.now()
         if self._ordered is not None:
             self._ordered.begin_step()
@@ -362,10 +379,10 @@ class PipelineEngine(BackwardSide, ServingSide):
         finally:
             if self._rng is not None:
                 self._rng.switch(None)  # the caller's own stream, also when the step failed
+            if self._ordered is not None:
+                self._ordered.end_step()  # a failed step leaves its gradients as plain accumulation would
             self.scheduler.release_root()
             self._step = None
-        if self._ordered is not None:
-            self._ordered.end_step()
         recorder = timeline.current()
         if recorder is not None:
             recorder.add_step(started, timeline.now())
@@ -375,7 +392,12 @@ class PipelineEngine(BackwardSide, ServingSide):
         run = StepRun(self, step_fn, call, microbatches, root)
         self._step = run
         run.start_more()
-        self.scheduler.block(root, "microbatches of this step to finish", expects_reply=False)
+        try:
+            self.scheduler.block(root, "microbatches of this step to finish", expects_reply=False)
+            if self._abort is not None:
+                raise self._abort.error
+        except Exception as exc:  # noqa: BLE001 - every rank ends the step, then raises this
+            self._end_failed_step(root, exc)
         skeleton, tensors = flatten_tensors([_detach(o) for o in run.outputs])
         for peer in self.pp_members:
             if peer != self.rank:
@@ -383,8 +405,13 @@ class PipelineEngine(BackwardSide, ServingSide):
         return run.outputs
 
     def _serve_step(self, root: Task) -> list[Any]:
-        while self._end_step is None:
-            self.scheduler.block(root, "rank 0 to finish the step", expects_reply=False)
+        try:
+            while self._end_step is None and self._abort is None:
+                self.scheduler.block(root, "rank 0 to finish the step", expects_reply=False)
+        except Exception as exc:  # noqa: BLE001 - every rank ends the step, then raises this
+            self._end_failed_step(root, exc)
+        if self._abort is not None:
+            self._end_failed_step(root, self._abort.error)
         message, self._end_step = self._end_step, None
         self.model._backward_ran = message.meta["backward"]  # only pp_rank 0 sees model.backward calls
         return fill_tensors(message.meta["skeleton"], message.tensors)

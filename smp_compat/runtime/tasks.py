@@ -178,6 +178,12 @@ class Scheduler:
         me.runnable = False
         return self._pass_baton(me)
 
+    def pause(self, me: Task) -> Any:
+        """Stay runnable but let every task that ranks before ``me`` run first."""
+        me.runnable = True
+        me.waiting_for = ""
+        return self._pass_baton(me)
+
     # ------------------------------------------------------------------ internals
     def _run_task(self, task: Task) -> Task | None:
         """Run a task that was just picked; returns a new task this (now free) thread runs next, if any."""

@@ -183,7 +183,29 @@ def test_values_and_advice_are_reported() -> None:
 
 def test_init_without_dict_hints_at_the_launcher_config() -> None:
     report = check_file(FIXTURES / "mnist_gradscaler.py")
-    assert len(report.hints) == 1 and report.hints[0].startswith("line 59: smp.init() without a dict")
+    assert report.hints[0].startswith("line 59: smp.init() without a dict"), report.hints
+
+
+def test_an_unguarded_cuda_set_device_is_a_hint() -> None:
+    """AWS's examples call it unguarded: on a CPU-only machine the script fails before its first step."""
+    hints = check_file(FIXTURES / "mnist_gradscaler.py").hints
+    assert hints[1:] == ["line 60: torch.cuda.set_device(...) fails on a machine without a GPU; put it under "
+                         "`if torch.cuda.is_available():` to run the script on CPU too."]  # fmt: skip
+    guarded = check_source(textwrap.dedent("""
+        import torch
+        from torch import cuda
+        import smdistributed.modelparallel.torch as smp
+        if torch.cuda.is_available():
+            torch.cuda.set_device(smp.local_rank())
+        if not torch.cuda.is_available() or smp.local_rank() > 8:
+            pass
+        else:
+            cuda.set_device(smp.local_rank())
+        cuda.set_device(0) if torch.cuda.device_count() else None
+        cuda.set_device(1)
+        torch.set_device = None  # not CUDA's
+    """))
+    assert [h.split(":")[0] for h in guarded.hints] == ["line 12"], guarded.hints
 
 
 # ---------------------------------------------------------------- import styles and config shapes

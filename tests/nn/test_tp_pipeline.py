@@ -160,15 +160,21 @@ def test_pp2_tp2_rdp2_on_eight_ranks() -> None:
     _check(results, "smp_nn")
 
 
-def _fail_on_one_tp_rank() -> None:
-    import smp_compat as smp
-
+def _small_pipeline(smp: Any) -> Any:
+    """The smp.nn model at pp = 2 x tp = 2 with 4 microbatches, placed as ``_place`` does."""
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 4,
               "auto_partition": False, "default_partition": 0})  # fmt: skip
     torch.manual_seed(0)
     model = smp.DistributedModel(tm.TinySmpLM(smp.nn))
     _place(smp, model, "smp_nn")
+    return model
+
+
+def _fail_on_one_tp_rank() -> None:
+    import smp_compat as smp
+
+    model = _small_pipeline(smp)
     steps = [0]
 
     def explode(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -197,3 +203,33 @@ def test_failure_on_one_tp_peer_stops_every_rank_quickly() -> None:
     with pytest.raises(RankFailure, match="boom on tp rank 1"):
         run_ranks(_fail_on_one_tp_rank, 4, timeout=120)
     assert time.monotonic() - start < 60
+
+
+def _catch_a_failed_step() -> list[str]:
+    import smp_compat as smp
+
+    model = _small_pipeline(smp)
+
+    @smp.step
+    def train_step(ids: torch.Tensor, fail: bool) -> torch.Tensor:
+        loss = _smp_nn_loss(model, ids)
+        if fail:
+            raise KeyError("the step body failed on purpose")
+        model.backward(loss)
+        return loss
+
+    raised = []
+    for step, ids in enumerate(tm.batches(STEPS)):
+        try:
+            train_step(tm.my_samples(smp, ids), step == 1)
+        except Exception as exc:  # noqa: BLE001 - the script goes on, as an OOM-skipping loop would
+            raised.append(f"{type(exc).__name__}: {exc}")
+    return raised
+
+
+def test_a_caught_step_failure_with_tp_in_the_pipeline_refuses_later_steps() -> None:
+    """Decisions already shared with tp followers cannot be recalled: every rank raises the step's error, then
+    refuses later steps with a clear error instead of running them on a confused schedule."""
+    for raised in run_ranks(_catch_a_failed_step, 4, timeout=120, env={"SMP_PIPELINE_TIMEOUT_S": "30"}):
+        assert len(raised) == 2 and raised[0].startswith("KeyError"), raised
+        assert raised[1].startswith("StepUsageError: the pipeline cannot run another step"), raised

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import smp_compat as smp
+from models import fail_in_backward
 from smp_compat.errors import RemoteError
 from smp_compat.failure import ERROR_FILE_ENV, RootCause, root_of, summary, write_error_file
 from smp_compat.testing import RankFailure, run_ranks
@@ -27,16 +28,6 @@ __all__: list[str] = []
 
 D = 4
 MESSAGE = "boom from the faulty layer"
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise KeyError("lost gradient")
 
 
 class Faulty(nn.Module):
@@ -48,7 +39,7 @@ class Faulty(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward":
             raise ValueError(f"{MESSAGE}\nsecond line")
-        return _FailInBackward.apply(self.lin(h))
+        return fail_in_backward(self.lin(h), KeyError("lost gradient"))
 
 
 class Net(nn.Module):

@@ -18,22 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import smp_compat as smp
+from models import fail_in_backward
 from smp_compat.testing import RankFailure, run_ranks
 
 D = 8
 BOUND_S = 15.0  # the whole run_ranks call, start-up included
 WATCH_EXIT = 17  # smp_compat.failure's exit code for "another rank failed"
 _STEP = [0]  # the training loop's step index, visible to modules in the same process
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("backward exploded")
 
 
 class Faulty(nn.Module):
@@ -51,7 +42,7 @@ class Faulty(nn.Module):
         elif _STEP[0] == 1 and self.fault == "forward":
             raise ValueError("boom")
         elif _STEP[0] == 1 and self.fault == "backward":
-            h = _FailInBackward.apply(h)
+            h = fail_in_backward(h, RuntimeError("backward exploded"))
         return h
 
 

@@ -1,0 +1,186 @@
+"""Ending a failed step on every rank of the pipeline, so that the next step starts clean.
+
+When the step body raises on pp_rank 0 (its own error, or a served call's error sent back to it), the
+other microbatches are mid-flight on every rank: tasks wait for replies, and requests and results sit in
+queues. Left there, the next step would resume them: silently wrong outputs, or a hang. So the failing
+rank floods an ``abort`` marker carrying its error to its pipeline peers. Every rank that learns of the
+failure stops sending work, wakes each of its tasks with ``StepAborted`` so they unwind, sends its own
+marker to every peer, and waits for every peer's marker. Channels are ordered, so after the last marker
+nothing of the failed step can still arrive. Every rank then drops the step's state and raises the step's
+error, so the same ``except`` clause catches it on every rank.
+
+A lost connection or a timeout cannot be ended this way; those leave the engine unusable (``_broken``).
+So does a failure with tensor parallelism inside the pipeline: decisions already sent to tp followers
+cannot be recalled.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from smp_compat import failure
+from smp_compat.errors import RemoteError, SMPTimeoutError, StepUsageError
+from smp_compat.runtime.tasks import Fatal, Scheduler, Task
+from smp_compat.runtime.transport import Message
+
+__all__ = ["ABORT", "FailedStepSide", "StepAborted"]
+
+ABORT = "abort"
+_UNWIND_PRIORITY = (99,)  # the root waits until every unwinding task has run
+
+
+class StepAborted(Exception):
+    """Raised inside a task whose step failed on some pipeline rank; it only unwinds the task."""
+
+
+@dataclass
+class _Abort:
+    error: BaseException
+    origin: int
+    markers: set[int] = field(default_factory=set)
+    told: bool = False
+
+
+class FailedStepSide:
+    """The failure half of ``PipelineEngine`` (a mixin): end a failed step the same way on every rank."""
+
+    rank: int
+    scheduler: Scheduler
+    lockstep: Any
+    pp_members: list[int]
+    _abort: _Abort | None
+    _broken: str | None
+    _end_step: Any
+    _waiting: dict
+    _requests: dict
+    _request_owner: dict
+    _mb_calls: dict
+    _hosted: dict
+    _releases: dict
+    _deferred: list[Message]
+
+    if TYPE_CHECKING:
+
+        def _handle(self, message: Message) -> None: ...
+
+        def _send(self, dst: int, kind: str, meta: dict[str, Any] | None = None,
+                  tensors: list[torch.Tensor] = ()) -> None: ...  # fmt: skip
+
+    def _require_usable(self) -> None:
+        if self._broken is not None:
+            raise StepUsageError(f"the pipeline cannot run another step: {self._broken}")
+
+    def _break(self, why: str) -> None:
+        """The failure cannot be ended cleanly: later steps refuse to run (after this one raises)."""
+        if self._broken is None:
+            self._broken = why
+
+    def _learn_failure(self, error: BaseException, origin: int) -> _Abort:
+        """Enter abort mode (the first error learned is the step's error) and wake the root to end the step."""
+        if self._abort is None:
+            self._abort = _Abort(error, origin)
+            self.scheduler.lockstep = None  # tasks now only unwind: no decisions to share with tp peers
+        if self.scheduler.root is not None:
+            self.scheduler.wake(self.scheduler.root)
+        return self._abort
+
+    def _handles_while_aborting(self, message: Message) -> bool:
+        """Markers and connection news are handled; the failed step's traffic is dropped. A peer whose marker
+        came has ended the step and may already send the next step's work, or have left the job after it:
+        that waits for the next step."""
+        if message.kind in (ABORT, "transport_error"):
+            return True
+        if message.src in self._abort.markers:
+            self._deferred.append(message)
+            return False
+        return message.kind == "peer_closed" and message.src in self.pp_members  # tp peers no longer matter
+
+    def _replay_deferred(self) -> None:
+        """At the start of a step (the root holds the baton): handle what came early, in arrival order."""
+        deferred, self._deferred = self._deferred, []
+        for message in deferred:
+            self._handle(message)
+
+    def _receive_abort(self, src: int, meta: dict[str, Any]) -> None:
+        abort = self._learn_failure(meta["error"], meta["origin"])
+        abort.markers.add(src)
+
+    def _end_failed_step(self, root: Task, error: BaseException) -> NoReturn:
+        """Called by the root task when its step failed: unwind everywhere, then raise the step's error."""
+        if self._broken is not None or isinstance(error, SMPTimeoutError):
+            self._break(f"an earlier step failed: {_first_line(error)}")
+            raise error
+        abort = self._learn_failure(error, self.rank)
+        self._unwind(root, abort)
+        self._forget_step()
+        if self.lockstep is not None:
+            self._break(f"a step failed with tensor parallelism inside the pipeline: {_first_line(abort.error)}")
+        if abort.origin != self.rank:
+            failure.raised_elsewhere(abort.error, abort.origin, self.rank)
+        raise abort.error
+
+    def _unwind(self, root: Task, abort: _Abort) -> None:
+        """Let every task of the step unwind, tell the peers, and wait until each peer has said it is done."""
+        peers = [r for r in self.pp_members if r != self.rank]
+        priority, root.priority = root.priority, _UNWIND_PRIORITY
+        try:
+            while True:
+                others = self._stop_tasks(root)
+                if not others and not abort.told:
+                    self._releases.clear()
+                    meta = {"error": _portable(abort.error), "origin": abort.origin}
+                    for peer in peers:
+                        self._send(peer, ABORT, meta)
+                    abort.told = True
+                if not others and abort.markers.issuperset(peers):
+                    return
+                try:
+                    if others:
+                        self.scheduler.pause(root)
+                    else:
+                        self.scheduler.block(root, "the other pipeline ranks to end the failed step")
+                except Exception as exc:  # noqa: BLE001 - a task's unwinding error: the step's first error is raised
+                    if self._broken is not None or isinstance(exc, SMPTimeoutError):
+                        self._break(f"a step failed and could not be ended on every rank: {_first_line(exc)}")
+                        raise
+        finally:
+            root.priority = priority
+
+    def _stop_tasks(self, root: Task) -> list[Task]:
+        """Drop tasks that never started; wake the others with ``StepAborted``. Returns the tasks left."""
+        left = []
+        for task in list(self.scheduler.tasks):
+            if task is root or task.done:
+                continue
+            if not task.started:
+                self.scheduler.tasks.remove(task)
+                continue
+            if not isinstance(task.wakeup, Fatal):
+                self.scheduler.wake(task, Fatal(StepAborted(f"the step failed on rank {self._abort.origin}")))
+            left.append(task)
+        return left
+
+    def _forget_step(self) -> None:
+        """Nothing of the failed step is in flight any more: drop what it left behind."""
+        for table in (self._waiting, self._requests, self._request_owner, self._mb_calls, self._hosted, self._releases):
+            table.clear()
+        self._end_step = None
+        self._abort = None
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error itself when it survives pickling (peers then raise the same type), else a RemoteError."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any error type the user defined
+        return RemoteError(f"{type(error).__name__}: {error}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
