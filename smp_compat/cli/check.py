@@ -19,18 +19,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from smp_compat.cli.scan import (
-    API_KINDS,
-    ERROR,
-    RANK,
-    ConfigValue,
-    FileReport,
-    Finding,
-    check_source,
-    record_config_key,
-    record_config_rules,
-    record_mpi_key,
-)
+from smp_compat.cli.check_config import ConfigValue, record_config_key, record_config_rules, record_mpi_key
+from smp_compat.cli.findings import API_KINDS, ERROR, RANK, FileReport, Finding
+from smp_compat.cli.scan import check_source
 from smp_compat.cli.support import Status
 
 __all__ = ["ERROR", "FileReport", "Finding", "check_command", "check_file", "check_json", "check_source", "main"]

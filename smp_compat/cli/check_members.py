@@ -20,7 +20,7 @@ from smp_compat.cli.check_flow import MODEL, OPTIMIZER, OUTPUT, STEP, Flow, Reso
 from smp_compat.cli.support import METHODS
 
 if TYPE_CHECKING:
-    from smp_compat.cli.scan import FileReport
+    from smp_compat.cli.findings import FileReport
 
 __all__ = ["Member", "members", "report_members"]
 

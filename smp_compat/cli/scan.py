@@ -5,7 +5,7 @@ attribute chains such as ``smp.nn.DistributedLinear`` or ``smp.state.cfg.fp16``)
 passed to ``smp.init``, ``"parameters"`` of a SageMaker distribution dict, JSON config files) is looked up
 in :mod:`smp_compat.cli.support`, the registry the docs table is generated from. Literal config values go
 through smp.init's own validation (``SMPConfig``'s field types; ``config.rules`` between keys when the whole
-dict is literal). Members used on the objects
+dict is literal; ``check_config.py``). Members used on the objects
 SMP returns (``model.local_state_dict()``, ``optimizer.clip_master_grads``, ``loss.reduce_mean()``) are
 found by :mod:`smp_compat.cli.check_members`.
 """
@@ -14,95 +14,23 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smp_compat.cli.check_config import ConfigValue, config_read, record_config_key, record_config_rules, record_mpi_key
 from smp_compat.cli.check_cuda import unguarded_cuda_calls
 from smp_compat.cli.check_members import report_members
-from smp_compat.config import SMPConfig
-from smp_compat.config.rules import rule_problems
-from smp_compat.config.schema import FIELD_BY_KEY, canonical_key, canonicalize, value_problem
-from smp_compat.cli.support import CONFIG, Status, config_value_status, lookup_api, suggest_key
-from smp_compat.errors import SMPConfigError
+from smp_compat.cli.findings import ERROR, FileReport
+from smp_compat.cli.support import Status, lookup_api
 
-__all__ = [
-    "API_KINDS", "ERROR", "RANK", "FileReport", "Finding", "check_source", "record_config_key", "record_config_rules",
-    "record_mpi_key",
-]  # fmt: skip
-
-ERROR = "error"
-"""A status beyond the registry's: something SMP itself would reject too (unknown key or name, a config value
-or combination of values that smp.init refuses, bad JSON)."""
+__all__ = ["check_source"]
 
 PKG = "smdistributed.modelparallel.torch"
 _PKG_PARTS = PKG.split(".")
 _PARENT_PARTS = _PKG_PARTS[:2]
 _OWN_PACKAGE = "smp_compat"
-RANK = {Status.SUPPORTED.value: 0, Status.PARTIAL.value: 1, Status.UNSUPPORTED.value: 2, ERROR: 3}
-_MPI_KEYS = {
-    "enabled": (Status.SUPPORTED, "MPI launch settings: smp-compat run starts the processes with torchrun.", ""),
-    "processes_per_host": (Status.SUPPORTED, "The default --nproc-per-node of smp-compat run.", ""),
-    "custom_mpi_options": (Status.PARTIAL, "Ignored: the processes are started by torchrun, not mpirun.",
-                           "Pass launcher options to smp-compat run (torchrun options) or to srun/mpirun."),
-}  # fmt: skip
 _MAX_VALUE = 40
-API_KINDS = ("api", "member")  # listed in the API table; the rest in the config table
-
-
-# ---------------------------------------------------------------- results
-
-
-@dataclass
-class Finding:
-    """One SMP name or config key used by one file, with every line it appears on."""
-
-    kind: str  # "api", "member", "config", "config read", "launch"
-    name: str
-    status: str
-    lines: list[int] = field(default_factory=list)
-    note: str = ""
-    action: str = ""
-    values: list[str] = field(default_factory=list)
-
-    def merge(self, line: int, status: str, note: str, action: str, value: str | None) -> None:
-        """Another use: the worst status (and its explanation) wins; lines and values accumulate."""
-        if line not in self.lines:
-            self.lines.append(line)
-            self.lines.sort()
-        if value is not None and value not in self.values:
-            self.values.append(value)
-        if RANK[status] > RANK[self.status]:
-            self.status, self.note, self.action = status, note, action
-
-
-@dataclass
-class FileReport:
-    """Everything found in one file, in order of first appearance; ``error`` when it could not be read."""
-
-    path: str
-    findings: list[Finding] = field(default_factory=list)
-    hints: list[str] = field(default_factory=list)
-    error: str | None = None
-    config_files: list[Path] = field(default_factory=list)
-
-    def add(self, kind: str, name: str, line: int, status: Status | str, note: str = "", action: str = "",
-            value: str | None = None) -> None:  # fmt: skip
-        status = status.value if isinstance(status, Status) else status
-        for finding in self.findings:
-            if finding.kind == kind and finding.name == name:
-                finding.merge(line, status, note, action, value)
-                return
-        self.findings.append(Finding(kind, name, status, [line], note, action, [] if value is None else [value]))
-
-    def sorted_findings(self) -> list[Finding]:
-        return sorted(self.findings, key=lambda f: (f.lines[0], f.kind not in API_KINDS))  # ties keep source order
-
-    def worst(self) -> str:
-        statuses = [f.status for f in self.findings] + ([ERROR] if self.error else [])
-        return max(statuses, key=RANK.__getitem__, default=Status.SUPPORTED.value)
 
 
 # ---------------------------------------------------------------- classification
@@ -115,7 +43,7 @@ def _classify_api(report: FileReport, parts: list[str], line: int) -> None:
         if not rel:
             return
         if rel[:2] == ["state", "cfg"] and len(rel) >= 3:
-            _config_read(report, rel[2], line)
+            config_read(report, rel[2], line)
             return
         found = lookup_api(rel)
         if found is None and _own_addition(rel[0]):
@@ -148,86 +76,6 @@ def _own_addition(name: str) -> bool:
     if name.startswith("_"):
         return False
     return importlib.util.find_spec(f"{_OWN_PACKAGE}.{name}") is not None
-
-
-def _config_read(report: FileReport, key: str, line: int) -> None:
-    """``smp.state.cfg.<key>``: the resolved config holds every key; a key not acted on is worth a look."""
-    name = f"smp.state.cfg.{key}"
-    entry = CONFIG.get(key)
-    if entry is None:
-        if not key.startswith("_") and hasattr(SMPConfig, key):
-            report.add("config read", name, line, Status.SUPPORTED, "An attribute of smp_compat's resolved config.")
-            return
-        report.add("config read", name, line, ERROR, f"The config has no key {key!r}.", _did_you_mean(key))
-        return
-    if entry.status is Status.PARTIAL:
-        report.add("config read", name, line, Status.PARTIAL, f"Holds the configured value, but smp_compat does not "
-                   f"act on {key}: code that branches on it may expect SMP behaviour that is missing here.",
-                   entry.action)  # fmt: skip
-    else:
-        always_default = entry.status is Status.UNSUPPORTED
-        note = "Holds the configured value." + (" (Always the default here.)" if always_default else "")
-        report.add("config read", name, line, Status.SUPPORTED, note)
-
-
-def _did_you_mean(key: str) -> str:
-    close = suggest_key(key)
-    return ("Did you mean " + " or ".join(repr(c) for c in close) + "?") if close else "Remove it."
-
-
-def record_config_key(report: FileReport, key: str, line: int, value: Any, known: bool, shown: str) -> None:
-    """One key of an SMP parameters dict, judged with its value when that is a literal.
-
-    A literal value that smp.init refuses (an int for a float key, ``"true"`` for a bool, ``"Cluster"``) is an
-    error with the schema's own message; a value computed at run time is never judged that way.
-    """
-    if key not in CONFIG:
-        report.add("config", key, line, ERROR, "Not an SMP v1 config key: SMP and smp_compat both reject unknown "
-                   "keys at smp.init.", _did_you_mean(key), shown)  # fmt: skip
-        return
-    problem = value_problem(key, value) if known else None
-    if problem is not None:
-        report.add("config", key, line, ERROR, f"smp.init rejects this value: {problem}", "", shown)
-        return
-    status, note = config_value_status(key, value, known)
-    report.add("config", key, line, status, note, CONFIG[key].action if status is not Status.SUPPORTED else "", shown)
-
-
-@dataclass
-class ConfigValue:
-    """One key of a config dict, for the rules between keys; ``known``: its value is a literal."""
-
-    key: str
-    line: int
-    value: Any = None
-    known: bool = False
-
-
-def record_config_rules(report: FileReport, values: list[ConfigValue]) -> None:
-    """The rules between keys that smp.init applies (``rules.rule_problems``, aliases given twice), on a dict
-    whose every value is a valid literal (a JSON file, a literal dict); otherwise nothing is judged."""
-    values = [v for v in values if canonical_key(v.key) in FIELD_BY_KEY]
-    if not values or not all(v.known and value_problem(v.key, v.value) is None for v in values):
-        return
-    try:
-        params = canonicalize({v.key: v.value for v in values}, "the config")
-        problems = rule_problems(SMPConfig.model_construct(**params))  # each value was validated above
-    except SMPConfigError as exc:  # one key spelled twice (`partitions` and `pipeline_parallel_degree`)
-        problems = [str(exc)]
-    for problem in problems:
-        named = [v for v in values if _names(problem, v.key)] or values[:1]
-        for v in named:
-            report.add("config", v.key, v.line, ERROR, f"smp.init rejects this combination: {problem}", "")
-
-
-def _names(problem: str, key: str) -> bool:
-    """Whether a rule's message is about ``key`` (an alias counts as its SMP name)."""
-    return re.search(rf"(?<!\w){re.escape(canonical_key(key))}(?!\w)", problem) is not None
-
-
-def record_mpi_key(report: FileReport, key: str, line: int, shown: str) -> None:
-    status, note, action = _MPI_KEYS.get(key, (ERROR, "Not a SageMaker mpi setting.", "Remove it."))
-    report.add("launch", f"mpi.{key}", line, status, note, action, shown)
 
 
 # ---------------------------------------------------------------- Python sources

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from smp_compat import cli
-from smp_compat.cli.scan import FileReport, check_source
+from smp_compat.cli.findings import FileReport
+from smp_compat.cli.scan import check_source
 from smp_compat.cli.support import METHODS, Status
 
 S, P, U = Status.SUPPORTED.value, Status.PARTIAL.value, Status.UNSUPPORTED.value
