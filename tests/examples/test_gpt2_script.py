@@ -1,7 +1,7 @@
 """An SMP-style GPT-2 script, unmodified, through `smp-compat run` on 4 CPU processes (pp = 2 x dp = 2):
 fp16 + sharded optimizer state + activation checkpointing + manual partition trains (the loss falls, the
-optimizer steps), agrees with the same run without optimizer-state sharding, and resumes from its own
-partial checkpoint (user_content as AWS's script stores it) bitwise as the uninterrupted run.
+optimizer steps), agrees with the same run without optimizer-state sharding, and a run resumed from the
+partial checkpoint it saved mid-way (user_content as AWS's script stores it) ends bitwise where it ended.
 """
 
 from __future__ import annotations
@@ -46,20 +46,19 @@ def _assert_same_state(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]
 
 
 def test_gpt2_fp16_sharded_pp2_dp2_trains_and_resumes_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launching, "TIMEOUT_S", 240)  # four 4-process jobs; ~15 s each on an idle 2-core machine
+    monkeypatch.setattr(launching, "TIMEOUT_S", 240)  # three 4-process jobs; ~20 s each on an idle 2-core machine
     ckpt = tmp_path / "ckpt"
-    full = _run(tmp_path, "full", "--checkpoint_dir", str(ckpt / "unused"))
+    full = _run(tmp_path, "full", "--checkpoint_dir", str(ckpt), "--save_steps", str(SAVE_AT))  # saving mid-run
     losses = _losses(full)
     assert not any(r["overflow"] for r in full.values())
     _assert_replicas_identical(full)
     assert sum(losses[s] for s in (STEPS - 2, STEPS - 1)) / 2 < losses[0] - 0.05, losses
 
-    unsharded = _run(tmp_path, "unsharded", "--checkpoint_dir", str(ckpt / "unused2"), "--shard_optimizer_state", "0")
+    unsharded = _run(tmp_path, "unsharded", "--checkpoint_dir", str(ckpt / "unused"), "--shard_optimizer_state", "0")
     torch.testing.assert_close(torch.tensor(list(_losses(unsharded).values())), torch.tensor(list(losses.values())),
                                rtol=2e-3, atol=2e-3)  # fmt: skip
     _assert_same_state(unsharded, full, exact=False)
 
-    _run(tmp_path, "first", "--checkpoint_dir", str(ckpt), "--save_steps", str(SAVE_AT))
     resumed = _run(tmp_path, "resumed", "--checkpoint_dir", str(ckpt), "--load_partial", "1", trust=ckpt)
     assert _losses(resumed) == {s: losses[s] for s in range(SAVE_AT, STEPS)}
     _assert_same_state(resumed, full, exact=True)
