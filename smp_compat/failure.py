@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import sys
 import threading
@@ -34,9 +35,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from smp_compat.errors import RemoteError
+
 __all__ = [
     "start_watch", "stop_watch", "publish", "publish_exception", "peer_failure", "stop_because", "POLL_SECONDS",
-    "exiting", "looks_like_lost_peer", "raised_elsewhere", "stop_if_echo",
+    "exiting", "looks_like_lost_peer", "portable", "raised_elsewhere", "stop_if_echo",
     "ERROR_FILE_ENV", "RootCause", "root_of", "summary", "write_error_file", "default_store",
 ]  # fmt: skip
 
@@ -149,6 +152,15 @@ def raised_elsewhere(exc: BaseException, origin: int, rank: int) -> None:
     uncaught here too, it stops this rank because of ``origin``'s failure instead of being reported twice."""
     exc.add_note(f"(raised on rank {origin}; rank {rank} ended the same step with it)")
     exc._smp_raised_on = origin  # type: ignore[attr-defined]
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling (another rank then raises the same type), else a RemoteError."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any error type the user defined
+        return RemoteError(f"{type(exc).__name__}: {exc}")
 
 
 def _raised_elsewhere(exc: BaseException) -> bool:

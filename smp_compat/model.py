@@ -201,6 +201,7 @@ class DistributedModel(TensorParallelQueries, nn.Module):
         return state.topology.coords(state.rank).pp_rank == 0
 
     def _prepare_for_step(self, step_fn: Any, microbatches: list[tuple[tuple, dict]]) -> None:
+        self._backward_ran = False  # a failed step never reached _finish_step: its backward does not count
         if not self._partitioned:
             self._partition(step_fn, microbatches)
 

@@ -16,14 +16,13 @@ cannot be recalled.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from smp_compat import failure
-from smp_compat.errors import RemoteError, SMPTimeoutError, StepUsageError
+from smp_compat.errors import SMPTimeoutError, StepUsageError
 from smp_compat.runtime.tasks import Fatal, Scheduler, Task
 from smp_compat.runtime.transport import Message
 
@@ -132,7 +131,7 @@ class FailedStepSide:
                 others = self._stop_tasks(root)
                 if not others and not abort.told:
                     self._releases.clear()
-                    meta = {"error": _portable(abort.error), "origin": abort.origin}
+                    meta = {"error": failure.portable(abort.error), "origin": abort.origin}
                     for peer in peers:
                         self._send(peer, ABORT, meta)
                     abort.told = True
@@ -170,15 +169,6 @@ class FailedStepSide:
             table.clear()
         self._end_step = None
         self._abort = None
-
-
-def _portable(error: BaseException) -> BaseException:
-    """The error itself when it survives pickling (peers then raise the same type), else a RemoteError."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - any error type the user defined
-        return RemoteError(f"{type(error).__name__}: {error}")
 
 
 def _first_line(error: BaseException) -> str:

@@ -390,6 +390,43 @@ def test_backward_passes_per_step_syncs_every_second_step() -> None:
         assert_grads_close(r["after_step2"], grads_of(reference))
 
 
+def _failed_step_then_eval() -> dict[str, Any]:
+    """A train step that fails after its backward (caught), an eval step, then a train step."""
+    smp.init({"microbatches": 2, "ddp": True})
+    model = smp.DistributedModel(make_net(), backward_passes_per_step=2)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor, fail: bool) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y) / 2
+        if torch.is_grad_enabled():
+            model.backward(loss)
+        if fail:
+            raise KeyError("after backward")
+        return loss
+
+    step(model, *make_data(8, seed=smp.dp_rank()), False)
+    with pytest.raises(KeyError):
+        step(model, *make_data(8, seed=smp.dp_rank()), True)
+    optimizer.zero_grad()
+    with torch.no_grad():
+        step(model, *make_data(8, seed=smp.dp_rank()), False)  # no backward: not a pass to count
+    step(model, *make_data(8, seed=10 + smp.dp_rank()), False)  # the second pass: gradients averaged
+    return grads_of(model.module)
+
+
+def test_a_failed_steps_backward_does_not_count_for_a_later_step_without_one() -> None:
+    """The failed step never finished: an eval step after it used to count as a backward pass, so the
+    gradient sync of backward_passes_per_step = 2 came one step early and replicas diverged silently."""
+    results = run_ranks(_failed_step_then_eval, 2, timeout=30)
+    reference = make_net()
+    for rank in range(2):
+        x, y = make_data(8, seed=10 + rank)
+        (F.mse_loss(reference(x), y) / 2 / 2).backward()
+    for grads in results:
+        assert_grads_close(grads, grads_of(reference))
+
+
 def _replicas_after_first_step(broadcast_buffers: bool) -> dict[str, Any]:
     smp.init({"ddp": True})
     net = make_net(seed=100 + smp.rank())  # different initial weights and buffer on each rank

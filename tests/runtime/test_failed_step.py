@@ -37,12 +37,13 @@ def _install_module_fault(model: Any, fault: str, fault_mb: int) -> None:
     model.module.blocks[-1].ln2.register_forward_hook(hook)
 
 
-def _train(config: dict, fault: str, fault_mb: int) -> dict:
+def _train(config: dict, fault: str, fault_mb: int, failing_step: int = FAILING_STEP) -> dict:
     import smp_compat as smp
 
     smp.init(config)
     model = smp.DistributedModel(make_model())
-    place_blocks_by_stage(smp, model)
+    if not config["auto_partition"]:
+        place_blocks_by_stage(smp, model)
     if fault.startswith("module"):
         _install_module_fault(model, fault, fault_mb)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
@@ -60,7 +61,7 @@ def _train(config: dict, fault: str, fault_mb: int) -> dict:
 
     losses, raised = [], []
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH)):
-        _FAILING[0] = step == FAILING_STEP
+        _FAILING[0] = step == failing_step
         opt.zero_grad()
         try:
             out = train_step(model, x, y)
@@ -73,13 +74,13 @@ def _train(config: dict, fault: str, fault_mb: int) -> dict:
     return {"losses": losses, "raised": raised, "params": params}
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(failing_step: int = FAILING_STEP) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch on the global batch, skipping the failed step's batch."""
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH)):
-        if step == FAILING_STEP:
+        if step == failing_step:
             continue
         opt.zero_grad()
         loss = lm_loss(model(x, attention_mask=causal_mask(8)), y)
@@ -108,11 +109,23 @@ def test_a_caught_step_failure_leaves_the_pipeline_training_like_plain_pytorch(
     config = {"pipeline_parallel_degree": pp, "microbatches": mb, "pipeline": pipeline, "auto_partition": False,
               "default_partition": 0, **extra}  # fmt: skip
     results = run_ranks(_train, pp, config, fault, fault_mb, timeout=120, env={"SMP_PIPELINE_TIMEOUT_S": "30"})
-    ref_losses, ref_params = _reference()
-    expected_type = "KeyError" if fault.startswith("body") else "RemoteError"
+    _check(results, "KeyError" if fault.startswith("body") else "RemoteError", FAILING_STEP)
+
+
+def test_a_failure_in_the_first_steps_trace_is_raised_on_every_rank() -> None:
+    """With auto_partition, rank 0 runs microbatch 0 of the first step alone to plan the partition. An error
+    there used to reach only rank 0: rank 1 took the next step's plan for this one and ran a step behind."""
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "interleaved", "auto_partition": True}
+    results = run_ranks(_train, 2, config, "body_before_backward", 0, 0, timeout=120,
+                        env={"SMP_PIPELINE_TIMEOUT_S": "30"})  # fmt: skip
+    _check(results, "KeyError", 0)
+
+
+def _check(results: list[dict], expected_type: str, failing_step: int) -> None:
+    ref_losses, ref_params = _reference(failing_step)
     merged: dict[str, torch.Tensor] = {}
     for rank, r in enumerate(results):
-        assert [(s, kind) for s, kind, _ in r["raised"]] == [(FAILING_STEP, expected_type)], (rank, r["raised"])
+        assert [(s, kind) for s, kind, _ in r["raised"]] == [(failing_step, expected_type)], (rank, r["raised"])
         notes = r["raised"][0][2]
         assert ("raised on rank 0" in notes) == (rank > 0), (rank, notes)
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
