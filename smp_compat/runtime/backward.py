@@ -24,6 +24,7 @@ class BackwardSide:
     rank: int
     scheduler: Scheduler
     lockstep: Any
+    _ordered: Any  # OrderedGradients under deterministic_server, else None
     _driving: Driver | None
     _seq: Any
     _step: Any
@@ -60,7 +61,10 @@ class BackwardSide:
         """Local segment, then one more segment per batch of input gradients the owners return."""
         driver = Driver(ctx.task)
         self._segment(driver, roots, grads)
-        ready_replies = _arrived if self.lockstep is None else lockstep_replies(ctx.task, driver, self.rank)
+        if self.lockstep is not None:
+            ready_replies = lockstep_replies(ctx.task, driver, self.rank)
+        else:
+            ready_replies = _in_request_order if self._ordered is not None else _arrived
         while driver.outstanding:
             ready = ready_replies(driver)
             if not ready:
@@ -111,3 +115,10 @@ class BackwardSide:
 def _arrived(driver: Driver) -> list[tuple[int, int]]:
     """The gradient requests whose replies are here (all of them are consumed by the next segment)."""
     return [r for r in driver.outstanding if r in driver.replies]
+
+
+def _in_request_order(driver: Driver) -> list[tuple[int, int]]:
+    """``deterministic_server``: one reply per segment, in the order the requests went out. Replies taken as
+    they arrive are grouped by timing, and the grouping decides how a shared leaf's gradients are summed."""
+    first = min(driver.outstanding)
+    return [first] if first in driver.replies else []
