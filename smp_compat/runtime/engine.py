@@ -202,7 +202,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         """
         specs, data = [], []
         for t in tensors:
-            held = self._held_by_owner(calls, record.owner, t)
+            held = self._held_by_owner(calls, record.owner, t, grad)
             if held is not None:
                 specs.append(("ref", held))
                 record.grad_inputs.append(None)
@@ -210,20 +210,20 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
             if isinstance(t, RemoteTensor):
                 t = t.materialize()
             needs_grad = grad and t.requires_grad
-            calls.remember(record.owner, t, (record.call_id, "in", len(specs)))
+            calls.remember(record.owner, t, (record.call_id, "in", len(specs)), needs_grad)
             specs.append(("data", len(data), needs_grad))
             record.grad_inputs.append(t if needs_grad else None)
             data.append(t)
         return specs, data
 
-    def _held_by_owner(self, calls: MicrobatchCalls, owner: int, t: torch.Tensor) -> ValueId | None:
+    def _held_by_owner(self, calls: MicrobatchCalls, owner: int, t: torch.Tensor, grad: bool) -> ValueId | None:
         """The owner's value for ``t`` when it has it already (a result it produced, or data sent before)."""
         if isinstance(t, RemoteTensor):
             if t._owner != owner or t.changed_here():
                 return None
             t._record.passed_on = True
             return t._value
-        held = calls.held_value(owner, t)
+        held = calls.held_value(owner, t, grad)
         if held is not None:
             self._mark_passed_on(calls, held)
         return held
@@ -243,13 +243,13 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
                     for v, (shape, dtype, diff) in zip(values, specs)]  # fmt: skip
         outputs = list(reply.tensors)
         for v, o in zip(values, outputs):
-            calls.remember(record.owner, o, v)
+            calls.remember(record.owner, o, v, False)
         differentiable = [j for j, (_, _, diff) in enumerate(specs) if grad and diff]
         if differentiable:
             record.out_values = [values[j] for j in differentiable]
             attached = RemoteOutputs.apply(self, record, [outputs[j] for j in differentiable], anchor())
             for j, t in zip(differentiable, attached):
-                calls.remember(record.owner, t, values[j])
+                calls.remember(record.owner, t, values[j], True)
                 outputs[j] = t
         return outputs
 

@@ -55,21 +55,26 @@ class MicrobatchCalls:
     microbatch: int
     step: int  # the engine's step number: a release that arrives a step late must not end a newer record
     records: dict[CallId, CallRecord] = field(default_factory=dict)
-    held: dict[int, dict[int, tuple[Any, int, ValueId]]] = field(default_factory=dict)  # owner -> id -> (ref, version, value)
+    # owner -> id(tensor) -> (weak ref, version, the owner's value, whether that value passes gradient back)
+    held: dict[int, dict[int, tuple[Any, int, ValueId, bool]]] = field(default_factory=dict)
     site_counts: dict[Any, int] = field(default_factory=dict)
 
-    def held_value(self, owner: int, tensor: torch.Tensor) -> ValueId | None:
-        """The owner's value for ``tensor`` if it already has it (same object, not modified since)."""
+    def held_value(self, owner: int, tensor: torch.Tensor, grad: bool) -> ValueId | None:
+        """The owner's value for ``tensor`` if it already has it (same object, not modified since) and, when the
+        call records gradients, it passes them back exactly when ``tensor`` wants them: a copy sent under
+        ``no_grad`` cannot stand for the tensor in a call with grad, nor an attached one after ``detach_()``."""
         entry = self.held.get(owner, {}).get(id(tensor))
         if entry is None:
             return None
-        ref, version, value = entry
-        return value if ref() is tensor and tensor._version == version else None
+        ref, version, value, connected = entry
+        if ref() is not tensor or tensor._version != version:
+            return None
+        return value if not grad or connected == tensor.requires_grad else None
 
-    def remember(self, owner: int, tensor: torch.Tensor, value: ValueId) -> None:
+    def remember(self, owner: int, tensor: torch.Tensor, value: ValueId, connected: bool) -> None:
         if tensor.is_inference():  # no version counter to tell an in-place change: always sent again
             return
-        self.held.setdefault(owner, {})[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
+        self.held.setdefault(owner, {})[id(tensor)] = (weakref.ref(tensor), tensor._version, value, connected)
 
 
 @dataclass

@@ -111,7 +111,9 @@ class ServingSide:
         self._send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
 
     def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
-        inputs = [hosted.values[spec[1]] if spec[0] == "ref" else data[spec[1]] for spec in specs]
+        """The call's inputs: data received now, or values held already. A tensor passed twice in one call
+        (``attn(h, h, h)``) comes once, and the later places refer to the first (attached) one."""
+        inputs = [None if spec[0] == "ref" else data[spec[1]] for spec in specs]
         needs_grad = [i for i, spec in enumerate(specs) if spec[0] == "data" and spec[2]]
         if needs_grad:
             ids = [(call_id, "in", i) for i in needs_grad]
@@ -122,7 +124,7 @@ class ServingSide:
         for i, spec in enumerate(specs):
             if spec[0] == "data":
                 hosted.values[(call_id, "in", i)] = inputs[i]
-        return inputs
+        return [hosted.values[spec[1]] if spec[0] == "ref" else t for spec, t in zip(specs, inputs)]
 
     def _serve_backward(self, task: Task, message: Message) -> None:
         meta = message.meta

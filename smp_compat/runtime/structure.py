@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from smp_compat.errors import SMPUnsupportedError
 from smp_compat.stepping.output import MAPPING, SET, container_kind, rebuild_mapping, rebuild_sequence, rebuild_set
 
 __all__ = ["flatten_tensors", "fill_tensors", "Slot"]
@@ -34,12 +36,24 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
         return Slot(len(tensors) - 1)
     kind = container_kind(type(value))
     if kind is None:
+        if isinstance(value, nn.Module):
+            _refuse_module(value)
         return _map_dataclass(value, lambda v: _strip(v, tensors)) if _is_dataclass(value) else value
     if kind == MAPPING:
         return rebuild_mapping(value, [(k, _strip(v, tensors)) for k, v in value.items()])
     if kind == SET:
         return rebuild_set(value, [_strip(v, tensors) for v in value])
     return rebuild_sequence(value, kind, [_strip(v, tensors) for v in value])
+
+
+def _refuse_module(module: nn.Module) -> None:
+    """A module crossing ranks would arrive as a copy, and the copy's parameters would train instead of its own."""
+    if next(module.parameters(), None) is not None:
+        raise SMPUnsupportedError(
+            f"a {type(module).__name__} with parameters is passed to (or returned from) a module on another "
+            "pipeline rank: it would arrive there as a copy whose parameters do not train. Call it where it is, or "
+            "make it a child of the module that uses it."
+        )
 
 
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
