@@ -20,7 +20,7 @@ from torch import nn
 
 from smp_compat import failure, timeline
 from smp_compat.memory.activation_checkpointing import requested_checkpointing
-from smp_compat.errors import RemoteError, StepUsageError
+from smp_compat.errors import RemoteError, SMPUnsupportedError, StepUsageError
 from smp_compat.memory.materialize import materialize_local
 from smp_compat.partitioning import PartitionPlan
 from smp_compat.runtime import hf_state
@@ -164,6 +164,8 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
     def remote_call(self, owner_pp: int, target: tuple[Any, ...], args: tuple, kwargs: dict) -> Any:
         """Run ``target`` on pipeline rank ``owner_pp``; outputs come back attached to autograd (or stay there)."""
         ctx = _require_context(self, target)
+        if torch._C._current_graph_task_id() != -1:
+            _refuse_recomputation(self, target)
         owner = self.pp_members[owner_pp]
         calls = self._calls(ctx.microbatch)
         skeleton, tensors = flatten_tensors((args, kwargs))
@@ -434,6 +436,17 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
 def _detach(value: Any) -> Any:
     skeleton, tensors = flatten_tensors(value)
     return fill_tensors(skeleton, [t.detach() for t in tensors])
+
+
+def _refuse_recomputation(engine: PipelineEngine, target: tuple[Any, ...]) -> None:
+    """A forward call to another rank from inside a backward pass is a checkpoint's recomputation crossing ranks:
+    its replies would land in the middle of the backward's own bookkeeping (gradients went missing)."""
+    raise SMPUnsupportedError(
+        f"{engine._describe(target)} lives on another pipeline rank and was called during a backward pass: "
+        "torch.utils.checkpoint around a call to a module on another rank recomputes that call, which the "
+        "pipeline does not support (nor did SMP). Use smp.set_activation_checkpointing(module) or smp.checkpoint, "
+        "which checkpoint on the module's own rank."
+    )
 
 
 def _require_context(engine: PipelineEngine, target: tuple[Any, ...]) -> Context:

@@ -1,4 +1,5 @@
-"""What crosses to another rank. A module passed as an argument is refused (its copy would train, silently).
+"""What crosses to another rank. A module passed as an argument is refused (its copy would train, silently),
+and so is a call made from a backward pass (torch.utils.checkpoint's recomputation: gradients went missing).
 One tensor in several calls to another rank, each case checked against plain PyTorch (the harness of
 test_pp_semantics.py): sent twice in one call (``attn(h, h, h)``), sent under ``no_grad`` and then with grad
 (a teacher pass before the student's), and detached in place after it came back.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import smp_compat as smp
@@ -120,3 +122,25 @@ CASES["passes_a_module"] = (PassesAModule, _plain_loss)
 def test_a_module_passed_to_another_rank_is_refused() -> None:
     with pytest.raises(RankFailure, match=rf"{SMPUnsupportedError.__name__}: a Linear with parameters is passed"):
         run_ranks(_train_ranks, 2, "passes_a_module", _config(1, "interleaved"), timeout=TIMEOUT)
+
+
+class CheckpointsARemoteCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        with smp.partition(1):
+            self.mid = nn.Linear(D, D)
+        self.out = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.mid(torch.tanh(t))), self.inp(x),
+                                              use_reentrant=True)  # fmt: skip
+        return self.out(h)
+
+
+CASES["checkpoints_a_remote_call"] = (CheckpointsARemoteCall, _plain_loss)
+
+
+def test_a_checkpoint_recomputing_a_call_to_another_rank_is_refused() -> None:
+    with pytest.raises(RankFailure, match="mid lives on another pipeline rank and was called during a backward"):
+        run_ranks(_train_ranks, 2, "checkpoints_a_remote_call", _config(1, "interleaved"), timeout=TIMEOUT)
