@@ -13,7 +13,7 @@ import itertools
 import logging
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -346,20 +346,22 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         elif kind == ABORT:
             self._receive_abort(message.src, meta)
         elif kind == "transport_error":
-            cause = failure.peer_failure(wait=2.0)  # a lost connection usually means a rank failed
-            if cause is not None:
-                failure.stop_because(cause)
-            self._break(f"pipeline transport on rank {self.rank} failed")
-            raise RemoteError(f"pipeline transport on rank {self.rank} failed: {meta['error']}")
+            self._lose_connection(f"pipeline transport on rank {self.rank} failed", f": {meta['error']}", exits=False)
         elif kind == "peer_closed" and self._end_step is None:  # handled only in a step: one that needs the peer
-            cause = failure.peer_failure(wait=2.0, exits=True)
-            if cause is not None:
-                failure.stop_because(cause)
-            self._break(f"rank {message.src} left the job")
-            raise RemoteError(
-                f"rank {message.src} left the job (it closed its pipeline connection) while rank {self.rank} was in "
-                "a step with it: every rank must make the same @smp.step calls (did it return or sys.exit early?)."
-            )
+            self._lose_connection(
+                f"rank {message.src} left the job", f" (it closed its pipeline connection) while rank {self.rank} "
+                "was in a step with it: every rank must make the same @smp.step calls (did it return or sys.exit "
+                "early?).", exits=True,
+            )  # fmt: skip
+
+    def _lose_connection(self, what: str, details: str, exits: bool) -> NoReturn:
+        """A peer's connection is gone: stop because of the failure (or early exit) behind it when one is
+        published, else raise ``what`` + ``details``; the engine refuses later steps."""
+        cause = failure.peer_failure(wait=2.0, exits=exits)  # a lost connection usually means a rank failed
+        if cause is not None:
+            failure.stop_because(cause)
+        self._break(what)
+        raise RemoteError(what + details)
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:
@@ -394,12 +396,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         run = StepRun(self, step_fn, call, microbatches, root)
         self._step = run
         run.start_more()
-        try:
-            self.scheduler.block(root, "microbatches of this step to finish", expects_reply=False)
-            if self._abort is not None:
-                raise self._abort.error
-        except Exception as exc:  # noqa: BLE001 - every rank ends the step, then raises this
-            self._end_failed_step(root, exc)
+        self._wait_as_root(root, "microbatches of this step to finish", lambda: run.finished == len(microbatches))
         skeleton, tensors = flatten_tensors([_detach(o) for o in run.outputs])
         for peer in self.pp_members:
             if peer != self.rank:
@@ -407,13 +404,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         return run.outputs
 
     def _serve_step(self, root: Task) -> list[Any]:
-        try:
-            while self._end_step is None and self._abort is None:
-                self.scheduler.block(root, "rank 0 to finish the step", expects_reply=False)
-        except Exception as exc:  # noqa: BLE001 - every rank ends the step, then raises this
-            self._end_failed_step(root, exc)
-        if self._abort is not None:
-            self._end_failed_step(root, self._abort.error)
+        self._wait_as_root(root, "rank 0 to finish the step", lambda: self._end_step is not None)
         message, self._end_step = self._end_step, None
         self.model._backward_ran = message.meta["backward"]  # only pp_rank 0 sees model.backward calls
         return fill_tensors(message.meta["skeleton"], message.tensors)

@@ -17,6 +17,7 @@ cannot be recalled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -108,16 +109,27 @@ class FailedStepSide:
         abort = self._learn_failure(meta["error"], meta["origin"])
         abort.markers.add(src)
 
+    def _wait_as_root(self, root: Task, reason: str, done: Callable[[], bool]) -> None:
+        """The step's root waits until ``done()``; if the step fails here or elsewhere, it ends the step on every
+        rank and raises the step's error."""
+        try:
+            while not done() and self._abort is None:
+                self.scheduler.block(root, reason, expects_reply=False)
+        except Exception as exc:  # noqa: BLE001 - every rank ends the step, then raises this
+            self._end_failed_step(root, exc)
+        if self._abort is not None:
+            self._end_failed_step(root, self._abort.error)
+
     def _end_failed_step(self, root: Task, error: BaseException) -> NoReturn:
         """Called by the root task when its step failed: unwind everywhere, then raise the step's error."""
         if self._broken is not None or isinstance(error, SMPTimeoutError):
-            self._break(f"an earlier step failed: {_first_line(error)}")
+            self._break(f"an earlier step failed: {failure.summary(error)}")
             raise error
         abort = self._learn_failure(error, self.rank)
         self._unwind(root, abort)
         self._forget_step()
         if self.lockstep is not None:
-            self._break(f"a step failed with tensor parallelism inside the pipeline: {_first_line(abort.error)}")
+            self._break(f"a step failed with tensor parallelism inside the pipeline: {failure.summary(abort.error)}")
         if abort.origin != self.rank:
             failure.raised_elsewhere(abort.error, abort.origin, self.rank)
         raise abort.error
@@ -144,7 +156,7 @@ class FailedStepSide:
                         self.scheduler.block(root, "the other pipeline ranks to end the failed step")
                 except Exception as exc:  # noqa: BLE001 - a task's unwinding error: the step's first error is raised
                     if self._broken is not None or isinstance(exc, SMPTimeoutError):
-                        self._break(f"a step failed and could not be ended on every rank: {_first_line(exc)}")
+                        self._break(f"a step failed and could not be ended on every rank: {failure.summary(exc)}")
                         raise
         finally:
             root.priority = priority
@@ -170,7 +182,3 @@ class FailedStepSide:
         self._end_step = None
         self._abort = None
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

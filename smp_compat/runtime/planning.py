@@ -41,10 +41,9 @@ def decide_plan(model: Any, step_fn: Any, microbatches: list[tuple[tuple, dict]]
         except Exception as exc:  # noqa: BLE001 - every rank raises it (the traced step body, or a bad plan)
             error, decided = exc, ("error", failure.portable(exc))
     kind, value = broadcast_object(decided if state.rank == 0 else None, src=0)
-    if kind == "error":
-        if state.rank != 0:
-            failure.raised_elsewhere(value, 0, state.rank)
-        raise error if state.rank == 0 else value
+    if kind == "error" and state.rank != 0:
+        failure.raised_elsewhere(value, 0, state.rank)
+        raise value
     if error is not None:
         raise error
     return PartitionPlan.from_dict(value)
