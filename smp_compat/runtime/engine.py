@@ -84,7 +84,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         self.scheduler = Scheduler(self._handle, self.rank, state.device)
         groups = create_channel_groups(topo.all_groups("pp"))
         peers = [r for r in self.pp_members if r != self.rank]
-        self.transport = Transport(self.rank, peers, groups, state.device, self.scheduler.inbox.put)
+        self.transport = Transport(self.rank, peers, groups, state.device, self.scheduler.inbox)
         self.lockstep = create_lockstep(self.rank, self.scheduler)  # None unless tp > 1
         self.device = state.device
         self._seq = itertools.count()

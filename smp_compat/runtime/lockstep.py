@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from smp_compat.globalstate import state
+from smp_compat.runtime.local_links import link_local_pairs
 from smp_compat.runtime.tasks import Fatal
 from smp_compat.runtime.transport import Message, Transport
 
@@ -46,7 +47,7 @@ def create_lockstep_groups(tp_groups: list[list[int]]) -> dict[tuple[int, int], 
         for follower in members[1:]:
             groups[(leader, follower)] = dist.new_group([leader, follower])
             groups[(follower, leader)] = dist.new_group([follower, leader])
-    return groups
+    return link_local_pairs(groups)
 
 
 class Lockstep:
@@ -118,7 +119,7 @@ def create_lockstep(rank: int, scheduler: Scheduler) -> Lockstep | None:
     members = topo.group("tp", rank)
     leader = rank == members[0]
     peers = [m for m in members if m != rank] if leader else [members[0]]
-    lockstep = Lockstep(leader, peers, Transport(rank, peers, groups, state.device, scheduler.inbox.put))
+    lockstep = Lockstep(leader, peers, Transport(rank, peers, groups, state.device, scheduler.inbox))
     scheduler.lockstep = lockstep
     return lockstep
 

@@ -26,6 +26,7 @@ import torch
 
 from smp_compat import timeline
 from smp_compat.errors import SMPTimeoutError
+from smp_compat.runtime.mailbox import Mailbox
 from smp_compat.runtime.thread_state import CallerState, cuda_device_setter
 
 __all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "SERVE_FORWARD", "FORWARD", "SERVE_BACKWARD", "BACKWARD"]
@@ -94,7 +95,7 @@ class Scheduler:
     """Runs tasks one at a time; ``handle`` turns each incoming message into wake-ups or new tasks."""
 
     def __init__(self, handle: Callable[[Any], None], rank: int, device: torch.device) -> None:
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = Mailbox()
         self.handle = handle
         self.rank = rank
         self.tasks: list[Task] = []
@@ -163,6 +164,7 @@ class Scheduler:
         """End the idle worker threads (at engine shutdown)."""
         for inbox in self._workers:
             inbox.put(None)
+        self.inbox.close()
 
     def wake(self, task: Task, value: Any = None) -> None:
         """Make a waiting task runnable; it resumes with ``value`` returned from its ``block``."""

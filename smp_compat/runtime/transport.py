@@ -1,11 +1,13 @@
-"""Ordered message channels between the ranks of a pipeline group, over torch.distributed p2p.
+"""Ordered message channels between the ranks of a pipeline group.
 
-One process group per (sender, receiver) direction: sends and receives match by order on their own
-channel, never by timing or tags (NCCL has none). Sends start asynchronously from the calling thread,
-which waits only for sends older than the last two (done in practice) to reuse their buffers; one
-receiver thread per peer delivers what arrives. The thread is needed: a gloo receive cannot be polled
-(``is_completed()`` stays False until ``wait()``, ``get_future()`` is missing for p2p, and a ``wait`` with a
-timeout closes the connection when it expires).
+One channel per (sender, receiver) direction: sends and receives match by order on their own channel,
+never by timing or tags (NCCL has none). Ranks on one host use a shared-memory link
+(``local_links.py``), read by the receiving rank's scheduler itself; other pairs use a two-member process
+group, where sends start asynchronously from the calling thread, which waits only for sends older than
+the last two (done in practice) to reuse their buffers, and one receiver thread per peer delivers what
+arrives. The thread is needed there: a gloo receive cannot be polled (``is_completed()`` stays False until
+``wait()``, ``get_future()`` is missing for p2p, and a ``wait`` with a timeout closes the connection when
+it expires).
 
 A message (pickled kind, metadata and tensor specs, then the tensors' bytes) is packed into ONE
 buffer. On gloo each extra send cost ~2 ms here (a message that arrives before its receive is
@@ -26,7 +28,6 @@ import math
 import pickle
 import struct
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ import torch.distributed as dist
 
 from smp_compat import timeline
 from smp_compat.comm import tensor_to_object
+from smp_compat.runtime.local_links import LocalLink, link_local_pairs
+from smp_compat.runtime.mailbox import Mailbox
 from smp_compat.runtime.thread_state import cuda_device_setter
 
 __all__ = ["Message", "Transport", "create_channel_groups", "pack", "unpack", "HEADER_BYTES"]
@@ -58,21 +61,26 @@ class Message:
 
 
 def create_channel_groups(pp_groups: list[list[int]]) -> dict[tuple[int, int], Any]:
-    """One process group per ordered pair inside each pipeline group; every rank creates all, in one order."""
+    """One channel per ordered pair inside each pipeline group; every rank creates all, in one order.
+
+    A process group each, and a shared-memory link instead for this rank's pairs on one host.
+    """
     groups = {}
     for members in pp_groups:
         for src in members:
             for dst in members:
                 if src != dst:
                     groups[(src, dst)] = dist.new_group([src, dst])
-    return groups
+    return link_local_pairs(groups)
 
 
 def _wire_device(groups: dict[tuple[int, int], Any], rank: int, peers: list[int], device: torch.device) -> torch.device:
     """Where message buffers live: the compute device with NCCL, host memory with gloo (it moves only host bytes)."""
     if device.type == "cpu" or not peers:
         return device
-    return device if dist.get_backend(groups[(rank, peers[0])]) == "nccl" else torch.device("cpu")
+    channel = groups[(rank, peers[0])]
+    group = channel.group if isinstance(channel, LocalLink) else channel
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def _aligned(n: int) -> int:
@@ -182,25 +190,33 @@ class Transport:
         peers: list[int],
         groups: dict[tuple[int, int], Any],
         device: torch.device,
-        deliver: Callable[[Message], None],
+        inbox: Mailbox,
     ) -> None:
         self.rank = rank
         self.peers = peers
         self.compute_device = device
         self.device = _wire_device(groups, rank, peers, device)
-        self.deliver = deliver
+        self.deliver = inbox.put
         self.exact_sizes = self.device.type != "cpu"  # NCCL: receive sizes must match the send
         self.payload_bytes = 0
         self.messages = 0
-        self._outgoing = {p: _Outgoing(_Channel(groups[(rank, p)], p)) for p in peers}
+        self._outgoing = {p: _Outgoing(_channel(groups[(rank, p)], p)) for p in peers}
         self._threads: list[threading.Thread] = []
         self._set_device = cuda_device_setter(device)
-        for peer in peers:
-            channel = _Channel(groups[(peer, rank)], peer)
+        self._incoming = [_channel(groups[(peer, rank)], peer) for peer in peers]
+        self._sources: list[_LinkSource] = []
+        for peer, channel in zip(peers, self._incoming):
+            if isinstance(channel, LocalLink):  # read by the scheduler itself: no thread to wake
+                self._sources.append(_LinkSource(self, peer, channel))
+                inbox.add_source(self._sources[-1])
+                continue
             thread = threading.Thread(target=self._recv_loop, args=(peer, channel), name=f"smp-recv-{peer}->{rank}",
                                       daemon=True)  # fmt: skip
             thread.start()
             self._threads.append(thread)
+        for out in self._outgoing.values():
+            if isinstance(out.channel, LocalLink):
+                out.channel.on_stall = self._receive_while_stalled
 
     def send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
         """Pack and start sending a message to ``dst``; returns without waiting for the transfer."""
@@ -224,7 +240,7 @@ class Transport:
                 if buf.numel() > HEADER_BYTES:
                     out.start(buf[HEADER_BYTES:], whole)
             else:
-                if buf.numel() > out.peer_capacity:
+                if buf.numel() > out.peer_capacity and not isinstance(out.channel, LocalLink):  # links size each
                     out.peer_capacity = max(buf.numel(), 2 * out.peer_capacity)
                     announce = pack("capacity", {"bytes": out.peer_capacity}, [], self.device)
                     out.start(announce, announce)
@@ -241,6 +257,9 @@ class Transport:
                 log.debug("pipeline send still in progress failed at shutdown", exc_info=True)
         for thread in self._threads:
             thread.join(timeout=10)
+        for channel in [*(out.channel for out in self._outgoing.values()), *self._incoming]:
+            if isinstance(channel, LocalLink):
+                channel.close()
 
     def _recv_loop(self, src: int, channel: _Channel) -> None:
         self._set_device()
@@ -252,20 +271,28 @@ class Transport:
                     receive_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
                 buf = self._recv_one(channel, receive_buffer)
                 start = timeline.now()
-                message = unpack(buf, src, copy=buf is receive_buffer)
-                if self.compute_device != self.device:
-                    message.tensors = [t.to(self.compute_device) for t in message.tensors]
+                message = self._unpack(buf, src, copy=buf is receive_buffer)
             except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
-                self.deliver(Message("transport_error", src, {"error": f"receiving from rank {src}: {exc}"}))
+                self.deliver(_receive_error(src, exc))
                 return
             if message.kind == "capacity":
                 capacity = message.meta["bytes"]
                 continue
-            _record(f"recv<-{src}", message.kind, start)
-            if message.kind == "close":  # the peer shut down; the engine decides whether that was too early
-                self.deliver(Message("peer_closed", src))
+            self.deliver(_for_engine(message, start))
+            if message.kind == "close":
                 return
-            self.deliver(message)
+
+    def _unpack(self, buf: torch.Tensor, src: int, copy: bool) -> Message:
+        message = unpack(buf, src, copy=copy)
+        if self.compute_device != self.device:
+            message.tensors = [t.to(self.compute_device) for t in message.tensors]
+        return message
+
+    def _receive_while_stalled(self) -> None:
+        """A send waits for ring space: take in what our links hold (their senders may be waiting on us)."""
+        for source in self._sources:
+            for message in source.poll():
+                self.deliver(message)
 
     def _recv_one(self, channel: _Channel, receive_buffer: torch.Tensor) -> torch.Tensor:
         """gloo: into the reused capacity buffer; NCCL: into fresh exact-size buffers (their tensors are views)."""
@@ -280,6 +307,55 @@ class Transport:
         rest = torch.empty(total - HEADER_BYTES, dtype=torch.uint8, device=self.device)
         channel.recv(rest)
         return torch.cat([head, rest])
+
+
+class _LinkSource:
+    """A shared-memory link from one peer, read by the scheduler's baton holder (``mailbox.Source``)."""
+
+    def __init__(self, transport: Transport, src: int, link: LocalLink) -> None:
+        self.transport = transport
+        self.src = src
+        self.link = link
+        self.closed = False
+        self._lock = threading.Lock()  # a stalled send may read it from another thread
+
+    def fileno(self) -> int:
+        return self.link.sock.fileno()
+
+    def poll(self, readable: bool = False) -> list[Message]:
+        arrived: list[Message] = []
+        if self.closed or not self._lock.acquire(blocking=False):  # held: someone is reading it right now
+            return arrived
+        try:
+            while not self.closed:
+                try:
+                    buf = self.link.receive_now(readable)
+                    readable = False
+                    if buf is None:
+                        break
+                    start = timeline.now()
+                    message = self.transport._unpack(buf, self.src, copy=True)
+                    self.link.release()
+                except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
+                    self.closed = True
+                    arrived.append(_receive_error(self.src, exc))
+                    break
+                arrived.append(_for_engine(message, start))
+                self.closed = message.kind == "close"
+        finally:
+            self._lock.release()
+        return arrived
+
+
+def _for_engine(message: Message, received_at: float) -> Message:
+    """What the engine gets for an arrived message: itself, or ``peer_closed`` for the peer's ``close``."""
+    _record(f"recv<-{message.src}", message.kind, received_at)
+    # the peer shut down; the engine decides whether that was too early
+    return Message("peer_closed", message.src) if message.kind == "close" else message
+
+
+def _receive_error(src: int, exc: BaseException) -> Message:
+    return Message("transport_error", src, {"error": f"receiving from rank {src}: {exc}"})
 
 
 class _Outgoing:
@@ -321,6 +397,10 @@ class _Outgoing:
         while self._in_flight:
             work, _ = self._in_flight.popleft()
             work.wait()
+
+
+def _channel(group_or_link: Any, peer: int) -> _Channel | LocalLink:
+    return group_or_link if isinstance(group_or_link, LocalLink) else _Channel(group_or_link, peer)
 
 
 class _Channel:

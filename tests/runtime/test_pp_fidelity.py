@@ -64,3 +64,9 @@ def test_pp3_matches_single_process(mb: int, pipeline: str, auto: bool) -> None:
 def test_pp2_dp2_matches_single_process(placement: str) -> None:
     cfg = _config(2, 2, "interleaved", auto=False, ddp=True, placement_strategy=placement)
     _check(run_ranks(_train_pipeline, 4, cfg, True, timeout=120))
+
+
+def test_pp2_over_process_group_channels_matches_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ranks on one host talk through shared memory by default; the gloo channels (between hosts) stay exact
+    monkeypatch.setenv("SMP_COMPAT_SHARED_MEMORY", "0")
+    _check(run_ranks(_train_pipeline, 2, _config(2, 4, "interleaved", auto=False), True, timeout=90))
