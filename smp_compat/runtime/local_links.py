@@ -78,6 +78,7 @@ class LocalLink:
         self._notes_read = 0
         self._ring_bytes = torch.frombuffer(self.ring, dtype=torch.uint8, offset=_CONTROL_BYTES, count=RING_BYTES)
         self.write_pos = 0
+        self._reserved: tuple[int, int] | None = None  # ring space handed out by ``reserve``, not yet sent
         self.on_stall: Callable[[], None] = lambda: None  # called while a send waits for ring space
         self._note = bytearray(_NOTE.size)
         self._note_got = 0
@@ -87,8 +88,24 @@ class LocalLink:
 
     # -- sender end --------------------------------------------------------------------------------
 
+    def reserve(self, size: int) -> torch.Tensor | None:
+        """Ring space to pack a message of ``size`` bytes into (``send_async`` it next), or None if it is
+        larger than one chunk."""
+        if size > RING_BYTES // 2:
+            return None
+        start = self._reserve(size)
+        self._reserved = (start, size)
+        return self._ring_bytes[start % RING_BYTES : start % RING_BYTES + size]
+
     def send_async(self, buf: torch.Tensor) -> _Sent:
-        """Copy ``buf`` (contiguous host bytes) into the ring, chunk by chunk, with a note per chunk."""
+        """Send ``buf``: space from ``reserve`` (just the note), or contiguous host bytes, copied into the
+        ring chunk by chunk with a note per chunk."""
+        if self._reserved is not None:
+            (start, size), self._reserved = self._reserved, None
+            if buf.data_ptr() == self.base + start % RING_BYTES:
+                self.notes_sent.value += 1
+                self.sock.sendall(_NOTE.pack(start, size, 0))
+                return _Sent()
         total, address, sent = buf.numel(), buf.data_ptr(), 0
         while True:
             size = min(total - sent, RING_BYTES // 2)

@@ -28,6 +28,7 @@ import math
 import pickle
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,12 +89,17 @@ def _aligned(n: int) -> int:
 
 
 def pack(
-    kind: str, meta: dict[str, Any], tensors: list[torch.Tensor], device: torch.device, into: torch.Tensor | None = None
+    kind: str,
+    meta: dict[str, Any],
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    into: Callable[[int], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One uint8 buffer: total and header lengths, the pickled header, then each tensor's bytes, aligned.
 
-    Written into ``into`` (a reusable buffer, grown when too small) when given; returns the used prefix.
-    On CPU the bytes move with ``memmove`` (no tensor operations: a message costs microseconds, not tens).
+    Written into ``into(total)`` when that gives a buffer (a reused one, or space in a shared-memory
+    ring), else into a new one; returns it. On CPU the bytes move with ``memmove`` (no tensor operations:
+    a message costs microseconds, not tens).
     """
     offsets, offset = [], 0
     for t in tensors:
@@ -104,7 +110,9 @@ def pack(
     start = _aligned(_LENGTHS.size + len(header))
     total = max(start + offset, HEADER_BYTES)
     head = _LENGTHS.pack(total, len(header)) + header
-    buf = into[:total] if into is not None and into.numel() >= total else torch.empty(total, dtype=torch.uint8, device=device)
+    buf = into(total) if into is not None else None
+    if buf is None:
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
     if buf.device.type == "cpu":
         base = buf.data_ptr()
         ctypes.memmove(base, head, len(head))
@@ -117,6 +125,11 @@ def pack(
         if n:
             buf[start + o : start + o + n].view(t.dtype).view(t.shape).copy_(t)
     return buf
+
+
+def _prefix_of(buffer: torch.Tensor | None) -> Callable[[int], torch.Tensor | None]:
+    """``pack``'s ``into`` for a reusable buffer: its first ``n`` bytes when the message fits."""
+    return lambda n: buffer[:n] if buffer is not None and buffer.numel() >= n else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -231,16 +244,21 @@ class Transport:
         _record(f"send->{dst}", kind, start)
 
     def _start_send(self, out: _Outgoing, kind: str, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        if isinstance(out.channel, LocalLink):
+            with out.lock:  # packed straight into the ring when it fits in one chunk
+                buf = pack(kind, meta, tensors, self.device, into=out.channel.reserve)
+                out.channel.send_async(buf)
+            return
         with out.lock:
             reuse = out.free_buffer()
-            buf = pack(kind, meta, tensors, self.device, into=reuse)
+            buf = pack(kind, meta, tensors, self.device, into=_prefix_of(reuse))
             whole = reuse if reuse is not None and buf.data_ptr() == reuse.data_ptr() else buf
             if self.exact_sizes:
                 out.start(buf[:HEADER_BYTES], whole)
                 if buf.numel() > HEADER_BYTES:
                     out.start(buf[HEADER_BYTES:], whole)
             else:
-                if buf.numel() > out.peer_capacity and not isinstance(out.channel, LocalLink):  # links size each
+                if buf.numel() > out.peer_capacity:
                     out.peer_capacity = max(buf.numel(), 2 * out.peer_capacity)
                     announce = pack("capacity", {"bytes": out.peer_capacity}, [], self.device)
                     out.start(announce, announce)

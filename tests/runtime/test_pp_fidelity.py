@@ -70,3 +70,15 @@ def test_pp2_over_process_group_channels_matches_single_process(monkeypatch: pyt
     # ranks on one host talk through shared memory by default; the gloo channels (between hosts) stay exact
     monkeypatch.setenv("SMP_COMPAT_SHARED_MEMORY", "0")
     _check(run_ranks(_train_pipeline, 2, _config(2, 4, "interleaved", auto=False), True, timeout=90))
+
+
+def _train_pipeline_tiny_rings(config: dict, manual: bool) -> dict:
+    from smp_compat.runtime import local_links
+
+    local_links.RING_BYTES = 8192  # every message chunked, rings full and wrapping all the time
+    return _train_pipeline(config, manual)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pipeline_through_tiny_shared_memory_rings_matches_single_process(pp: int) -> None:
+    _check(run_ranks(_train_pipeline_tiny_rings, pp, _config(pp, 4, "interleaved", auto=False), True, timeout=120))
