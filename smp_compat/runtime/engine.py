@@ -49,7 +49,8 @@ from smp_compat.runtime.planning import decide_plan, render_plan
 from smp_compat.runtime.serving import ServingSide
 from smp_compat.runtime.thread_state import amp_state
 from smp_compat.runtime.tasks import CONTINUE, SERVE_BACKWARD, SERVE_FORWARD, Scheduler, Task
-from smp_compat.runtime.transport import Message, Transport, create_channel_groups
+from smp_compat.runtime.messages import Message
+from smp_compat.runtime.transport import Transport, create_channel_groups
 from smp_compat.globalstate import state
 from smp_compat.stepping.step import StepCall
 

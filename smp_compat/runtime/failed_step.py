@@ -25,7 +25,7 @@ import torch
 from smp_compat import failure
 from smp_compat.errors import SMPTimeoutError, StepUsageError
 from smp_compat.runtime.tasks import Fatal, Scheduler, Task
-from smp_compat.runtime.transport import Message
+from smp_compat.runtime.messages import Message
 
 __all__ = ["ABORT", "FailedStepSide", "StepAborted"]
 

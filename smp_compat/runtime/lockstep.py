@@ -27,7 +27,8 @@ import torch.distributed as dist
 from smp_compat.globalstate import state
 from smp_compat.runtime.local_links import link_local_pairs
 from smp_compat.runtime.tasks import Fatal
-from smp_compat.runtime.transport import Message, Transport
+from smp_compat.runtime.messages import Message
+from smp_compat.runtime.transport import Transport
 
 if TYPE_CHECKING:
     from smp_compat.runtime.remote import Driver

@@ -21,7 +21,7 @@ from smp_compat.runtime.remote import CallId, Context, Hosted, ReceivedInputs, a
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
 from smp_compat.runtime.thread_state import autocast_as
-from smp_compat.runtime.transport import Message
+from smp_compat.runtime.messages import Message
 from smp_compat.failure import RootCause, root_of
 from smp_compat.stepping.step import set_current_microbatch
 

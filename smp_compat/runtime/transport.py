@@ -9,56 +9,35 @@ arrives. The thread is needed there: a gloo receive cannot be polled (``is_compl
 ``wait()``, ``get_future()`` is missing for p2p, and a ``wait`` with a timeout closes the connection when
 it expires).
 
-A message (pickled kind, metadata and tensor specs, then the tensors' bytes) is packed into ONE
-buffer. On gloo each extra send cost ~2 ms here (a message that arrives before its receive is
-posted takes a slow path), while one send of any size took ~0.5 ms; gloo accepts a receive
-buffer larger than the message, so the receiver always has a buffer of the agreed capacity
-posted, and the sender first announces a larger capacity when a message needs it. NCCL needs
-exact sizes: there a fixed-size head goes first, then the rest of the packed buffer. Gloo moves only
-host memory, so on a GPU shared over gloo messages are packed on the host and their tensors are moved
-to the compute device on arrival.
+Each message is one packed buffer (``messages.py``). Gloo accepts a receive buffer larger than the
+message, so its receiver always has a buffer of the agreed capacity posted, and the sender first
+announces a larger capacity when a message needs it; NCCL needs exact sizes: a fixed-size head goes
+first, then the rest. Gloo moves only host memory, so on a GPU shared over gloo messages are packed on the
+host and their tensors are moved to the compute device on arrival.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
-import math
-import pickle
-import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from smp_compat import timeline
-from smp_compat.comm import tensor_to_object
 from smp_compat.runtime.local_links import LocalLink, link_local_pairs
 from smp_compat.runtime.mailbox import Mailbox
+from smp_compat.runtime.messages import HEADER_BYTES, Message, lengths, nbytes, pack, unpack
 from smp_compat.runtime.thread_state import cuda_device_setter
 
-__all__ = ["Message", "Transport", "create_channel_groups", "pack", "unpack", "HEADER_BYTES"]
+__all__ = ["Transport", "create_channel_groups"]
 
 log = logging.getLogger("smp_compat")
 
-HEADER_BYTES = 4096
 _INITIAL_CAPACITY = 1 << 16
-_ALIGN = 64
-_LENGTHS = struct.Struct("<qq")
-
-
-@dataclass
-class Message:
-    """One unit of pipeline traffic."""
-
-    kind: str
-    src: int
-    meta: dict[str, Any] = field(default_factory=dict)
-    tensors: list[torch.Tensor] = field(default_factory=list)
 
 
 def create_channel_groups(pp_groups: list[list[int]]) -> dict[tuple[int, int], Any]:
@@ -82,110 +61,6 @@ def _wire_device(groups: dict[tuple[int, int], Any], rank: int, peers: list[int]
     channel = groups[(rank, peers[0])]
     group = channel.group if isinstance(channel, LocalLink) else channel
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def pack(
-    kind: str,
-    meta: dict[str, Any],
-    tensors: list[torch.Tensor],
-    device: torch.device,
-    into: Callable[[int], torch.Tensor | None] | None = None,
-) -> torch.Tensor:
-    """One uint8 buffer: total and header lengths, the pickled header, then each tensor's bytes, aligned.
-
-    Written into ``into(total)`` when that gives a buffer (a reused one, or space in a shared-memory
-    ring), else into a new one; returns it. On CPU the bytes move with ``memmove`` (no tensor operations:
-    a message costs microseconds, not tens).
-    """
-    offsets, offset = [], 0
-    for t in tensors:
-        offsets.append(offset)
-        offset += _aligned(_nbytes(t))
-    specs = [(tuple(t.shape), t.dtype, o) for t, o in zip(tensors, offsets)]
-    header = pickle.dumps((kind, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
-    start = _aligned(_LENGTHS.size + len(header))
-    total = max(start + offset, HEADER_BYTES)
-    head = _LENGTHS.pack(total, len(header)) + header
-    buf = into(total) if into is not None else None
-    if buf is None:
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
-    if buf.device.type == "cpu":
-        base = buf.data_ptr()
-        ctypes.memmove(base, head, len(head))
-        for t, o in zip(tensors, offsets):
-            _copy_into(base + start + o, t)
-        return buf
-    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)
-    for t, o in zip(tensors, offsets):
-        n = _nbytes(t)
-        if n:
-            buf[start + o : start + o + n].view(t.dtype).view(t.shape).copy_(t)
-    return buf
-
-
-def _prefix_of(buffer: torch.Tensor | None) -> Callable[[int], torch.Tensor | None]:
-    """``pack``'s ``into`` for a reusable buffer: its first ``n`` bytes when the message fits."""
-    return lambda n: buffer[:n] if buffer is not None and buffer.numel() >= n else None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.dtype.itemsize
-
-
-def _copy_into(address: int, t: torch.Tensor) -> None:
-    """CPU tensor bytes to ``address``: memmove, from a contiguous CPU copy when the tensor is not one."""
-    n = _nbytes(t)
-    if not n:
-        return
-    if t.device.type == "cpu" and t.is_contiguous():
-        ctypes.memmove(address, t.data_ptr(), n)
-        return
-    staged = t.detach().to("cpu").contiguous()
-    ctypes.memmove(address, staged.data_ptr(), n)
-
-
-def _lengths(buf: torch.Tensor) -> tuple[int, int]:
-    head = buf[: _LENGTHS.size]
-    if head.device.type != "cpu":
-        head = head.cpu()
-    return _LENGTHS.unpack(ctypes.string_at(head.data_ptr(), _LENGTHS.size))
-
-
-def unpack(buf: torch.Tensor, src: int, copy: bool = True) -> Message:
-    """Inverse of ``pack``. ``copy``: the tensors own their memory (``buf`` is a reused receive buffer)."""
-    if buf.device.type != "cpu":
-        return _unpack_device(buf, src, copy)
-    base = buf.data_ptr()
-    _, header_len = _LENGTHS.unpack(ctypes.string_at(base, _LENGTHS.size))
-    kind, meta, specs = pickle.loads(ctypes.string_at(base + _LENGTHS.size, header_len))
-    start = _aligned(_LENGTHS.size + header_len)
-    tensors = []
-    for shape, dtype, o in specs:
-        n = math.prod(shape) * dtype.itemsize
-        if copy or not n:
-            t = torch.empty(shape, dtype=dtype, device="cpu")
-            if n:
-                ctypes.memmove(t.data_ptr(), base + start + o, n)
-        else:
-            t = buf[start + o : start + o + n].view(dtype).view(shape)
-        tensors.append(t)
-    return Message(kind, src, meta, tensors)
-
-
-def _unpack_device(buf: torch.Tensor, src: int, copy: bool) -> Message:
-    _, header_len = _lengths(buf)
-    kind, meta, specs = tensor_to_object(buf[_LENGTHS.size : _LENGTHS.size + header_len], header_len)
-    start = _aligned(_LENGTHS.size + header_len)
-    tensors = []
-    for shape, dtype, o in specs:
-        n = math.prod(shape) * dtype.itemsize
-        t = buf[start + o : start + o + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype, device=buf.device)
-        tensors.append(t.clone() if copy and n else t)
-    return Message(kind, src, meta, tensors)
 
 
 class Transport:
@@ -235,7 +110,7 @@ class Transport:
         """Pack and start sending a message to ``dst``; returns without waiting for the transfer."""
         start = timeline.now()
         tensors = [t.detach() for t in tensors]
-        self.payload_bytes += sum(_nbytes(t) for t in tensors)
+        self.payload_bytes += sum(nbytes(t) for t in tensors)
         self.messages += 1
         try:
             self._start_send(self._outgoing[dst], kind, meta or {}, tensors)
@@ -319,7 +194,7 @@ class Transport:
             return receive_buffer
         head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
         channel.recv(head)
-        total, _ = _lengths(head)
+        total, _ = lengths(head)
         if total <= HEADER_BYTES:
             return head
         rest = torch.empty(total - HEADER_BYTES, dtype=torch.uint8, device=self.device)
@@ -374,6 +249,11 @@ def _for_engine(message: Message, received_at: float) -> Message:
 
 def _receive_error(src: int, exc: BaseException) -> Message:
     return Message("transport_error", src, {"error": f"receiving from rank {src}: {exc}"})
+
+
+def _prefix_of(buffer: torch.Tensor | None) -> Callable[[int], torch.Tensor | None]:
+    """``pack``'s ``into`` for a reusable buffer: its first ``n`` bytes when the message fits."""
+    return lambda n: buffer[:n] if buffer is not None and buffer.numel() >= n else None
 
 
 class _Outgoing:

@@ -9,7 +9,7 @@ import torch
 from smp_compat.runtime.lockstep import DECISION, Lockstep, lockstep_replies
 from smp_compat.runtime.remote import Driver
 from smp_compat.runtime.tasks import FORWARD, SERVE_BACKWARD, Fatal, Scheduler, Task
-from smp_compat.runtime.transport import Message
+from smp_compat.runtime.messages import Message
 
 
 class _Sent:
