@@ -66,10 +66,11 @@ def _wire_device(groups: dict[tuple[int, int], Any], rank: int, peers: list[int]
 class Transport:
     """Send and receive ``Message``s with the other ranks of this rank's pipeline group.
 
-    Sends go out from the calling thread as asynchronous p2p operations (their buffers are kept until
-    done and then reused); a receiver thread per peer delivers what arrives. On a machine whose cores
-    are busy computing, every thread that must wake up on a message's way adds latency, so a send wakes
-    none of ours.
+    Sends go out from the calling thread: into a peer's shared-memory ring, or as asynchronous p2p
+    operations (their buffers are kept until done and then reused). What arrives reaches ``inbox``: read
+    from the links by the scheduler itself, delivered by a receiver thread per process-group channel. On
+    a machine whose cores are busy computing, every thread that must wake up on a message's way adds
+    latency, so a send wakes none of ours.
     """
 
     def __init__(
