@@ -135,9 +135,12 @@ class ServingSide:
             roots = [hosted.values[v] for v in meta["values"]]
             self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
         except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
-            modules = ", ".join(sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
-            root = root_of(exc, self.rank, modules, f"microbatch {meta['mb']}, backward")
-            self._reply_error(message, "bwd_err", "req", f"{modules} (microbatch {meta['mb']}, backward)", root)
+            # the backward runs through every module of this rank it reaches from these outputs: which of
+            # them raised is in the traceback, not known here
+            modules = ", ".join(repr(m) for m in sorted({hosted.descriptions.get(v[0], "?") for v in meta["values"]}))
+            where = f"microbatch {meta['mb']}, backward from the output of {modules}"
+            root = root_of(exc, self.rank, None, where)
+            self._reply_error(message, "bwd_err", "req", where, root)
             return
         inputs, grads = hosted.collect_input_grads()
         self._send(message.src, "bwd_ok", {"req": meta["req"], "inputs": inputs}, grads)

@@ -81,7 +81,8 @@ def _job(phase: str, out: str) -> dict[str, Any]:
     ("phase", "expected"),
     [
         ("forward", RootCause("ValueError", MESSAGE, 1, "faulty", "microbatch 0, forward")),
-        ("backward", RootCause("KeyError", "'lost gradient'", 1, "faulty", "microbatch 0, backward")),
+        ("backward",
+         RootCause("KeyError", "'lost gradient'", 1, None, "microbatch 0, backward from the output of 'faulty'")),
     ],
 )
 def test_a_remote_error_carries_the_root_exception_rank_and_module(
