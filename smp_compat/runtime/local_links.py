@@ -211,7 +211,8 @@ def link_local_pairs(groups: dict[Pair, Any]) -> dict[Pair, Any]:
         return groups
     rank = dist.get_rank()
     hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, (_host_identity(), secrets.token_hex(8), os.getpid()) if enabled() else None)
+    identity = _host_identity() if enabled() else None
+    dist.all_gather_object(hosts, (identity, secrets.token_hex(8), os.getpid()) if identity else None)
     if hosts[0] is None:
         return groups
     token = hosts[0][1]
@@ -241,14 +242,15 @@ def _host_bytes_only() -> bool:
     return dist.get_backend() == "gloo"
 
 
-def _host_identity() -> tuple[str, str, int]:
-    """Equal for two processes exactly when they share a kernel and a network namespace (abstract sockets)."""
+def _host_identity() -> tuple[str, str, int] | None:
+    """Equal for two processes exactly when they share a kernel and a network namespace (abstract sockets);
+    None where ``/proc`` cannot tell."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        return socket.gethostname(), boot, os.stat("/proc/self/ns/net").st_ino
     except OSError:
-        boot = ""
-    return socket.gethostname(), boot, os.stat("/proc/self/ns/net").st_ino
+        return None
 
 
 def _address(token: str, src: int, dst: int) -> str:
