@@ -139,12 +139,18 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
 def stop_if_echo(exc: BaseException) -> None:
     """An uncaught error that echoes another rank's failure (a lost connection, or a failed pipeline step's
     copy): when that rank's failure is published, stop because of it (exit 17) instead of reporting this one."""
-    if looks_like_lost_peer(exc) or _raised_elsewhere(exc):
+    if _raised_elsewhere(exc):  # the failed step's copy carries its origin's error: no need to wait for it
+        # (the origin publishes it only on its way out, and a launcher may end this rank right then)
+        origin = exc._smp_raised_on  # type: ignore[attr-defined]
+        cause = peer_failure(0.0, exits=False) or f"rank {origin}: {summary(exc)}"
+    elif looks_like_lost_peer(exc):
         cause = _peer_cause(wait=2.0)
-        if cause is not None:
-            _record_stop(cause)
-            time.sleep(_grace(cause))  # as the watch does: launchers report the first exit as the cause
-            stop_because(cause)
+    else:
+        return
+    if cause is not None:
+        _record_stop(cause)
+        time.sleep(_grace(cause))  # as the watch does: launchers report the first exit as the cause
+        stop_because(cause)
 
 
 def raised_elsewhere(exc: BaseException, origin: int, rank: int) -> None:

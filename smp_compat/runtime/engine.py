@@ -346,7 +346,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
                 self.scheduler.wake(self.scheduler.root, message)
         elif kind == ABORT:
             self._receive_abort(message.src, meta)
-        elif kind == "transport_error":
+        elif kind == "transport_error" and self._broken is None:  # after a lost peer: the same news again
             self._lose_connection(f"pipeline transport on rank {self.rank} failed", f": {meta['error']}", exits=False)
         elif kind == "peer_closed" and self._end_step is None:  # handled only in a step: one that needs the peer
             self._lose_connection(

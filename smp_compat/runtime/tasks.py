@@ -207,10 +207,12 @@ class Scheduler:
         return nxt  # task and the message tensors it holds
 
     def fail(self, exc: BaseException) -> None:
-        """Wake the root task with ``exc``, which it raises in the thread that called the step."""
+        """Wake the root task with ``exc``, which it raises in the thread that called the step; the first
+        failure wins (a peer that left is reported, not the failed send to it that came next)."""
         if self.root is None:
             raise exc
-        self.wake(self.root, Fatal(exc))
+        if not isinstance(self.root.wakeup, Fatal):
+            self.wake(self.root, Fatal(exc))
 
     def _pick(self) -> Task | None:
         best = None

@@ -116,6 +116,9 @@ class Transport:
         try:
             self._start_send(self._outgoing[dst], kind, meta or {}, tensors)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it with the likely cause
+            # a peer that left closed its link after sending "close": that goes to the engine first, so it
+            # names the departure rather than this rank's failed send (a link's send fails at once)
+            self._receive_while_stalled()
             self.deliver(Message("transport_error", dst, {"error": f"sending to rank {dst}: {exc}"}))
         _record(f"send->{dst}", kind, start)
 
@@ -183,7 +186,8 @@ class Transport:
         return message
 
     def _receive_while_stalled(self) -> None:
-        """A send waits for ring space: take in what our links hold (their senders may be waiting on us)."""
+        """Take in what our links hold now: while a send waits for ring space (their senders may be waiting
+        on us), and before reporting a failed send."""
         for source in self._sources:
             for message in source.poll():
                 self.deliver(message)
