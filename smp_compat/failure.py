@@ -103,7 +103,12 @@ def publish(message: str) -> None:
     if store is None or _watch.published:
         return
     _watch.published = True
-    _set_first(store, _FAILURE_KEY, f"rank {_watch.rank}: {message}")
+    _set_first(store, _FAILURE_KEY, _failure_note(_watch.rank, message))
+
+
+def _failure_note(rank: int, message: str) -> str:
+    """A failure as published for the other ranks, and as a stopping rank names it."""
+    return f"rank {rank}: {message}"
 
 
 def _set_first(store: Any, key: str, value: str) -> None:
@@ -142,7 +147,7 @@ def stop_if_echo(exc: BaseException) -> None:
     if _raised_elsewhere(exc):  # the failed step's copy carries its origin's error: no need to wait for it
         # (the origin publishes it only on its way out, and a launcher may end this rank right then)
         origin = exc._smp_raised_on  # type: ignore[attr-defined]
-        cause = peer_failure(0.0, exits=False) or f"rank {origin}: {summary(exc)}"
+        cause = peer_failure(0.0, exits=False) or _failure_note(origin, summary(exc))
     elif looks_like_lost_peer(exc):
         cause = _peer_cause(wait=2.0)
     else:

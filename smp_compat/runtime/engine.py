@@ -398,7 +398,8 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         self._step = run
         run.start_more()
         self._wait_as_root(root, "microbatches of this step to finish", lambda: run.finished == len(microbatches))
-        skeleton, tensors = flatten_tensors([_detach(o) for o in run.outputs])
+        skeleton, tensors = flatten_tensors(run.outputs)
+        tensors = [t.detach() for t in tensors]
         for peer in self.pp_members:
             if peer != self.rank:
                 self._send(peer, "end_step", {"skeleton": skeleton, "backward": self.model._backward_ran}, tensors)
@@ -425,11 +426,6 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
 
 
 # ---------------------------------------------------------------------- helpers
-def _detach(value: Any) -> Any:
-    skeleton, tensors = flatten_tensors(value)
-    return fill_tensors(skeleton, [t.detach() for t in tensors])
-
-
 def _refuse_recomputation(engine: PipelineEngine, target: tuple[Any, ...]) -> None:
     """A forward call to another rank from inside a backward pass is a checkpoint's recomputation crossing ranks:
     its replies would land in the middle of the backward's own bookkeeping (gradients went missing)."""

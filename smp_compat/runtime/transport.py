@@ -105,7 +105,7 @@ class Transport:
             self._threads.append(thread)
         for out in self._outgoing.values():
             if isinstance(out.channel, LocalLink):
-                out.channel.on_stall = self._receive_while_stalled
+                out.channel.on_stall = self._take_in_links
 
     def send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
         """Pack and start sending a message to ``dst``; returns without waiting for the transfer."""
@@ -118,7 +118,7 @@ class Transport:
         except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it with the likely cause
             # a peer that left closed its link after sending "close": that goes to the engine first, so it
             # names the departure rather than this rank's failed send (a link's send fails at once)
-            self._receive_while_stalled()
+            self._take_in_links()
             self.deliver(Message("transport_error", dst, {"error": f"sending to rank {dst}: {exc}"}))
         _record(f"send->{dst}", kind, start)
 
@@ -185,7 +185,7 @@ class Transport:
             message.tensors = [t.to(self.compute_device) for t in message.tensors]
         return message
 
-    def _receive_while_stalled(self) -> None:
+    def _take_in_links(self) -> None:
         """Take in what our links hold now: while a send waits for ring space (their senders may be waiting
         on us), and before reporting a failed send."""
         for source in self._sources:
