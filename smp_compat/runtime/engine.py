@@ -43,6 +43,7 @@ from smp_compat.runtime.rng_streams import MicrobatchRng
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
 from smp_compat.runtime.backward import BackwardSide
 from smp_compat.runtime.failed_step import ABORT, FailedStepSide
+from smp_compat.runtime import late_weights
 from smp_compat.runtime.lockstep import DECISION, create_lockstep
 from smp_compat.runtime.microbatches import StepRun
 from smp_compat.runtime.planning import decide_plan, render_plan
@@ -113,6 +114,9 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         )
         self._rng = MicrobatchRng(state.device) if state.cfg.deterministic_server else None
         self.scheduler.rng = self._rng
+        self._late_weights_on = self._late_weights_allowed()
+        self._left_weights: list | None = None
+        self._widest: dict[tuple[Any, ...], int] = {}
         self._step: StepRun | None = None
         self._end_step: Message | None = None
         self._abort = None
@@ -150,6 +154,13 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
             return self._call_local(module, *args, **kwargs)
         (x,) = args
         return self._call_children(module, target[2], target[3], x)
+
+    def _late_weights_allowed(self) -> bool:
+        """Whether served backwards reply before their weight gradients (late_weights.py): not under tp
+        lockstep, ``deterministic_server``, sharding or ``torch.compile``, whose hooks and graphs expect the
+        gradients inside the backward."""
+        plain = self.lockstep is None and self._ordered is None and self._compiler is None
+        return plain and state.cfg.sharded_data_parallel_degree == 1 and late_weights.enabled(len(self.pp_members))
 
     def _describe(self, target: tuple[Any, ...]) -> str:
         name = self.placement.names[target[1]] or "<root>"
@@ -382,6 +393,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
             else:
                 outputs = self._serve_step(root)
         finally:
+            self.add_late_weights()
             if self._rng is not None:
                 self._rng.switch(None)  # the caller's own stream, also when the step failed
             if self._ordered is not None:

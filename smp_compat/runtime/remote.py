@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from smp_compat.runtime.late_weights import WeightGradients
     from smp_compat.runtime.tasks import Task
 
 __all__ = [
@@ -85,6 +86,7 @@ class Hosted:
     values: dict[ValueId, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[ValueId, torch.Tensor] = field(default_factory=dict)  # filled by ReceivedInputs.backward
     descriptions: dict[CallId, str] = field(default_factory=dict)  # module names, for error messages
+    late: WeightGradients | None = None  # weight gradients computed after the reply (late_weights.py)
 
     def collect_input_grads(self) -> tuple[list[ValueId], list[torch.Tensor]]:
         """Gradients the received inputs gathered since the last collection (then cleared: report each once)."""

@@ -8,7 +8,9 @@ an error is sent back to the caller with this rank's traceback, never raised her
 from __future__ import annotations
 
 import collections
+import contextlib
 import traceback
+from contextlib import AbstractContextManager
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +19,11 @@ from torch import nn
 
 from smp_compat.memory.activation_checkpointing import run_checkpointed
 from smp_compat.runtime import hf_state
+from smp_compat.runtime import late_weights
+from smp_compat.runtime.late_weights import Entry, WeightGradients, accumulate, splitting_linears
 from smp_compat.runtime.remote import CallId, Context, Hosted, ReceivedInputs, anchor, set_context
 from smp_compat.runtime.structure import fill_tensors, flatten_tensors
-from smp_compat.runtime.tasks import SERVE_FORWARD, Scheduler, Task
+from smp_compat.runtime.tasks import SERVE_FORWARD, WEIGHTS, Scheduler, Task
 from smp_compat.runtime.thread_state import autocast_as
 from smp_compat.runtime.messages import Message
 from smp_compat.failure import RootCause, root_of
@@ -44,6 +48,9 @@ class ServingSide:
     pp_members: list[int]
     placement: Any
     root: nn.Module
+    _late_weights_on: bool
+    _widest: dict[tuple[Any, ...], int]
+    _left_weights: list[Entry] | None  # one served backward's weight gradients, left for an idle moment
 
     if TYPE_CHECKING:
 
@@ -92,7 +99,8 @@ class ServingSide:
             args, kwargs = fill_tensors(meta["skeleton"], inputs)
             capture = meta.get("capture")
             collecting = hf_state.collecting(capture, self.root)
-            with torch.set_grad_enabled(meta["grad"]), autocast_as(meta["amp"]), collecting as got:
+            late = self._late_linears(hosted, meta, inputs)
+            with torch.set_grad_enabled(meta["grad"]), autocast_as(meta["amp"]), collecting as got, late:
                 module = self.placement.modules[meta["target"][1]]
                 result = run_checkpointed(self.run_target, meta["checkpoint"], module, meta["target"], args, kwargs)
             if capture:  # Hugging Face outputs collected by hooks travel with the result
@@ -109,6 +117,28 @@ class ServingSide:
             specs.append((tuple(o.shape), o.dtype, meta["grad"] and o.requires_grad))
         reply = {"call": call_id, "skeleton": skeleton, "outputs": specs, "lazy": meta["lazy"]}
         self._send(message.src, "fwd_ok", reply, [] if meta["lazy"] else outputs)
+
+    def _late_linears(self, hosted: Hosted, meta: dict[str, Any], inputs: list[Any]) -> AbstractContextManager[Any]:
+        """Linear layers whose weight gradients wait until the backward's reply is sent, where some may be
+        large enough (the mode costs ~10 us per operation: not spent on calls whose products are all small)."""
+        if not self._late_weights_on or not meta["grad"] or meta["checkpoint"]:
+            return contextlib.nullcontext()
+        largest_input = max((t.numel() for t in inputs if isinstance(t, torch.Tensor)), default=0)
+        if largest_input * self._widest_weight(meta["target"]) < late_weights.MIN_MULTIPLY_ADDS:
+            return contextlib.nullcontext()
+        if hosted.late is None:
+            hosted.late = WeightGradients()
+        return splitting_linears(hosted.late)
+
+    def _widest_weight(self, target: tuple[Any, ...]) -> int:
+        """The most rows of a matrix parameter the call target holds (what a product's output width can be)."""
+        widest = self._widest.get(target)
+        if widest is None:
+            module = self.placement.modules[target[1]]
+            modules = [module] if target[0] == "module" else list(module)[target[2] : target[3]]
+            rows = [p.shape[0] for m in modules for p in m.parameters() if p.dim() == 2]
+            widest = self._widest[target] = max(rows, default=0)
+        return widest
 
     def _decode_inputs(self, hosted: Hosted, call_id: CallId, specs: list[tuple], data: list[torch.Tensor]) -> list:
         """The call's inputs: data received now, or values held already. A tensor passed twice in one call
@@ -131,8 +161,11 @@ class ServingSide:
         hosted = self._hosted[(message.src, meta["mb"])]
         set_context(Context(task, meta["mb"]))
         set_current_microbatch(meta["mb"])
+        late = hosted.late
         try:
             roots = [hosted.values[v] for v in meta["values"]]
+            if late is not None:
+                late.collecting = True
             self._drive_backward(Context(task, meta["mb"]), roots, list(message.tensors))
         except BaseException as exc:  # noqa: BLE001 - the caller raises it with this rank's traceback
             # the backward runs through every module of this rank it reaches from these outputs: which of
@@ -142,8 +175,36 @@ class ServingSide:
             root = root_of(exc, self.rank, None, where)
             self._reply_error(message, "bwd_err", "req", where, root)
             return
+        finally:
+            if late is not None:
+                late.collecting = False
         inputs, grads = hosted.collect_input_grads()
         self._send(message.src, "bwd_ok", {"req": meta["req"], "inputs": inputs}, grads)
+        if late is not None:  # the caller goes on with these input gradients meanwhile
+            self._leave_weights(late.take(), meta["mb"])
+
+    def _leave_weights(self, entries: list[Entry], mb: int) -> None:
+        """Weight gradients for a task that runs when nothing else can (a later served backward first: its
+        caller waits for it). At most one backward's are left waiting: the one before is added now (left to
+        wait, a busy rank piled them up, and their tensors with them: 1.5x the peak activation memory)."""
+        if not entries:
+            return
+        if self._left_weights is not None:
+            accumulate(self._left_weights)
+        else:
+            task = Task(f"weights-mb{mb}", self.add_late_weights, (WEIGHTS, next(self._arrivals)), mb)
+            task.phase = "backward"
+            self.scheduler.spawn(task)
+        self._left_weights = entries
+
+    def add_late_weights(self) -> None:
+        """The weight gradients left waiting, now: from their task, or before a step returns, also a failed one
+        (the optimizer reads ``.grad`` next; a failed step leaves its gradients as plain accumulation would)."""
+        for task in [t for t in self.scheduler.tasks if t.priority[0] == WEIGHTS and not t.started]:
+            self.scheduler.tasks.remove(task)
+        entries, self._left_weights = self._left_weights, None
+        if entries is not None:
+            accumulate(entries)
 
     def _reply_error(self, message: Message, kind: str, key: str, description: str, root: RootCause) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it

@@ -29,15 +29,16 @@ from smp_compat.errors import SMPTimeoutError
 from smp_compat.runtime.mailbox import Mailbox
 from smp_compat.runtime.thread_state import CallerState, cuda_device_setter
 
-__all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "SERVE_FORWARD", "FORWARD", "SERVE_BACKWARD", "BACKWARD"]
+__all__ = ["Task", "Scheduler", "Fatal", "CONTINUE", "SERVE_FORWARD", "FORWARD", "SERVE_BACKWARD", "BACKWARD", "WEIGHTS"]
 
 # Priority classes, lowest first. Rank 0 must compute each loss (and send its gradient) as soon as the
 # forward reply is in, and the last rank must never run dry: so a task resuming after a remote forward
 # reply comes first, then served forward requests, then a new microbatch's forward, and backward work
 # last (served requests in arrival order). The in-flight limit (active_microbatches) bounds memory
 # whatever the order; with backward first, rank 0's long backward segments delayed the forwards that feed
-# the next rank (measured and simulated in docs/benchmarks.md).
-CONTINUE, SERVE_FORWARD, FORWARD, SERVE_BACKWARD, BACKWARD = 0, 1, 2, 3, 4
+# the next rank (measured and simulated in docs/benchmarks.md). Weight gradients left for after a reply
+# (late_weights.py) come when nothing else can run: no other rank waits for them.
+CONTINUE, SERVE_FORWARD, FORWARD, SERVE_BACKWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3, 4, 5
 
 log = logging.getLogger("smp_compat")
 
