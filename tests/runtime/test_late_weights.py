@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp_compat.runtime import late_weights
-from smp_compat.runtime.late_weights import SplitLinear, WeightGradients, accumulate, splitting_linears
+from smp_compat.runtime.late_weights import WeightGradients, accumulate, splitting_linears
 from smp_compat.testing import run_ranks
 from test_pp_fidelity import _check, _config, _train_pipeline
 
