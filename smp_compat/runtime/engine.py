@@ -158,9 +158,10 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
     def _late_weights_allowed(self) -> bool:
         """Whether served backwards reply before their weight gradients (late_weights.py): not under tp
         lockstep, ``deterministic_server``, sharding or ``torch.compile``, whose hooks and graphs expect the
-        gradients inside the backward."""
+        gradients inside the backward; on CPU only, until its fixed cost is measured against a GPU's kernels."""
         plain = self.lockstep is None and self._ordered is None and self._compiler is None
-        return plain and state.cfg.sharded_data_parallel_degree == 1 and late_weights.enabled(len(self.pp_members))
+        single = state.cfg.sharded_data_parallel_degree == 1 and state.device.type == "cpu"
+        return plain and single and late_weights.enabled(len(self.pp_members))
 
     def _describe(self, target: tuple[Any, ...]) -> str:
         name = self.placement.names[target[1]] or "<root>"
