@@ -45,9 +45,13 @@ class _Tied(nn.Module):
 def test_split_backward_is_bitwise_autograd(shape: tuple, seed_grads: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(late_weights, "MIN_MULTIPLY_ADDS", 0)
     torch.manual_seed(0)
-    model, x = _Tied(), torch.randn(*shape)
-    plain_x, plain_params = _grads(model, x, split=False, seed_grads=seed_grads)
-    split_x, split_params = _grads(model, x, split=True, seed_grads=seed_grads)
+    model = _Tied()
+    _assert_same_gradients(model, model, torch.randn(*shape), seed_grads)
+
+
+def _assert_same_gradients(plain_model: nn.Module, split_model: nn.Module, x: torch.Tensor, seed_grads: bool) -> None:
+    plain_x, plain_params = _grads(plain_model, x, split=False, seed_grads=seed_grads)
+    split_x, split_params = _grads(split_model, x, split=True, seed_grads=seed_grads)
     assert torch.equal(plain_x, split_x)
     for plain, split in zip(plain_params, split_params):
         assert torch.equal(plain, split)
@@ -91,15 +95,17 @@ def test_checkpoint_inside_a_split_forward(monkeypatch: pytest.MonkeyPatch) -> N
     """A non-reentrant checkpoint recomputes outside the mode: its products stay autograd's own."""
     monkeypatch.setattr(late_weights, "MIN_MULTIPLY_ADDS", 0)
     torch.manual_seed(0)
-    model, x = _Tied(), torch.randn(6, 32)
-    wrapped = nn.Sequential()
-    wrapped.forward = lambda t: torch.utils.checkpoint.checkpoint(model, t, use_reentrant=False)  # type: ignore[method-assign]
-    wrapped.a, wrapped.b = model.a, model.b
-    plain_x, plain_params = _grads(model, x, split=False, seed_grads=False)
-    split_x, split_params = _grads(wrapped, x, split=True, seed_grads=False)
-    assert torch.equal(plain_x, split_x)
-    for plain, split in zip(plain_params, split_params):
-        assert torch.equal(plain, split)
+    model = _Tied()
+    _assert_same_gradients(model, _Checkpointed(model), torch.randn(6, 32), seed_grads=False)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
 def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
