@@ -8,8 +8,9 @@ with the very products autograd uses (bitwise the same values) and adds them to 
 ``AccumulateGrad`` would: when this rank has nothing else to do, or after its next backward's reply, and
 always before the step returns. Zero-bubble pipelines split the backward the same way (B before W).
 
-Only plain cases split; anything else (autocast, saved-tensor hooks, hooks on the parameter, a non-contiguous
-input, a backward outside the engine's, a small product) runs the usual product: no result depends on it.
+Only plain cases split; anything else (autocast, saved-tensor hooks, ``torch.func`` transforms, hooks on the
+parameter, a non-contiguous input, a backward outside the engine's, a small product) runs the usual product:
+no result depends on it.
 """
 
 from __future__ import annotations
@@ -129,10 +130,13 @@ def _plain(x: Any, weight: Any, bias: Any = None) -> bool:
     return all(
         type(p) is torch.nn.Parameter and p.requires_grad and p.dtype == x.dtype and p.device == x.device
         and p.is_contiguous() and not p._backward_hooks and not p._post_accumulate_grad_hooks for p in params
-    ) and not torch.is_autocast_enabled(x.device.type) and not _saved_tensor_hooks_on()  # fmt: skip
+    ) and not torch.is_autocast_enabled(x.device.type) and not _hooks_or_transforms_on()  # fmt: skip
 
 
-def _saved_tensor_hooks_on() -> bool:
+def _hooks_or_transforms_on() -> bool:
     """Saved-tensor hooks (non-reentrant ``checkpoint``, ``save_on_cpu``) see what each node saves: a
-    checkpoint's recomputation, which runs outside this mode, must save exactly what the forward saved."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    checkpoint's recomputation, which runs outside this mode, must save exactly what the forward saved.
+    ``torch.func`` transforms (``vmap``, ``grad``) need Functions with ``setup_context``, and theirs is not
+    an engine-driven backward anyway."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return hooks or torch._C._functorch.maybe_current_level() is not None

@@ -91,6 +91,15 @@ def test_only_plain_large_products_split(monkeypatch: pytest.MonkeyPatch) -> Non
         assert not late_weights._plain(x, nn.Linear(8, 8).weight)
 
 
+def test_vmap_inside_a_split_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.func`` transforms keep autograd's products (a Function under vmap needs ``setup_context``)."""
+    monkeypatch.setattr(late_weights, "MIN_MULTIPLY_ADDS", 0)
+    lin, x = nn.Linear(8, 8), torch.randn(5, 3, 8)
+    with splitting_linears(WeightGradients()):
+        got = torch.vmap(lin)(x)
+    torch.testing.assert_close(got, lin(x))
+
+
 def test_checkpoint_inside_a_split_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-reentrant checkpoint recomputes outside the mode: its products stay autograd's own."""
     monkeypatch.setattr(late_weights, "MIN_MULTIPLY_ADDS", 0)
