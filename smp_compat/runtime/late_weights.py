@@ -124,12 +124,13 @@ def _plain(x: Any, weight: Any, bias: Any = None) -> bool:
     watches (hooks on a parameter expect its gradient inside the backward)."""
     if type(x) is not torch.Tensor or type(weight) is not torch.nn.Parameter or x.dim() < 2:
         return False
-    if x.numel() * weight.shape[0] < MIN_MULTIPLY_ADDS or not x.is_contiguous() or x.layout != torch.strided:
+    if x.numel() * weight.shape[0] < MIN_MULTIPLY_ADDS or x.layout != torch.strided or not x.is_contiguous():
         return False
     params = (weight,) if bias is None else (weight, bias)
     return all(
         type(p) is torch.nn.Parameter and p.requires_grad and p.dtype == x.dtype and p.device == x.device
-        and p.is_contiguous() and not p._backward_hooks and not p._post_accumulate_grad_hooks for p in params
+        and p.layout == torch.strided and p.is_contiguous() and not p._backward_hooks
+        and not p._post_accumulate_grad_hooks for p in params
     ) and not torch.is_autocast_enabled(x.device.type) and not _hooks_or_transforms_on()  # fmt: skip
 
 
@@ -139,4 +140,5 @@ def _hooks_or_transforms_on() -> bool:
     ``torch.func`` transforms (``vmap``, ``grad``) need Functions with ``setup_context``, and theirs is not
     an engine-driven backward anyway."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    return hooks or torch._C._functorch.maybe_current_level() is not None
+    forward_ad = torch.autograd.forward_ad._current_level >= 0  # dual tensors need a Function's jvp
+    return hooks or forward_ad or torch._C._functorch.maybe_current_level() is not None

@@ -89,6 +89,9 @@ def test_only_plain_large_products_split(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not late_weights._plain(x, lin.weight, lin.bias)
     with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks: a checkpoint's recomputation saves plainly
         assert not late_weights._plain(x, nn.Linear(8, 8).weight)
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD would need the Function's jvp
+        assert not late_weights._plain(x, nn.Linear(8, 8).weight)
+    assert late_weights._plain(x, nn.Linear(8, 8).weight)
 
 
 def test_vmap_inside_a_split_forward(monkeypatch: pytest.MonkeyPatch) -> None:
