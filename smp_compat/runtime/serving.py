@@ -190,16 +190,28 @@ class ServingSide:
         if not entries:
             return
         if self._left_weights is not None:
-            accumulate(self._left_weights)
+            self._add_weights(self._left_weights)
         else:
-            task = Task(f"weights-mb{mb}", self.add_late_weights, (WEIGHTS, next(self._arrivals)), mb)
+            task = Task(f"weights-mb{mb}", self._add_left_weights, (WEIGHTS, next(self._arrivals)), mb)
             task.phase = "backward"
             self.scheduler.spawn(task)
         self._left_weights = entries
 
+    def _add_left_weights(self) -> None:
+        entries, self._left_weights = self._left_weights, None
+        if entries is not None:
+            self._add_weights(entries)
+
+    def _add_weights(self, entries: list[Entry]) -> None:
+        """No task waits for this work, so its failure fails the step (a gradient must not go missing)."""
+        try:
+            accumulate(entries)
+        except BaseException as exc:  # noqa: BLE001 - raised by the step's root task, on every rank
+            self.scheduler.fail(exc)
+
     def add_late_weights(self) -> None:
-        """The weight gradients left waiting, now: from their task, or before a step returns, also a failed one
-        (the optimizer reads ``.grad`` next; a failed step leaves its gradients as plain accumulation would)."""
+        """Before a step returns, also a failed one (the optimizer reads ``.grad`` next; a failed step leaves its
+        gradients as plain accumulation would): the weight gradients left waiting, and not their task."""
         for task in [t for t in self.scheduler.tasks if t.priority[0] == WEIGHTS and not t.started]:
             self.scheduler.tasks.remove(task)
         entries, self._left_weights = self._left_weights, None
@@ -209,4 +221,3 @@ class ServingSide:
     def _reply_error(self, message: Message, kind: str, key: str, description: str, root: RootCause) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it
         self._send(message.src, kind, {key: message.meta[key], "error": text, "root": root})
-

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from torch import nn
 
 from smp_compat.runtime import late_weights
 from smp_compat.runtime.late_weights import WeightGradients, accumulate, splitting_linears
-from smp_compat.testing import run_ranks
+from smp_compat.testing import RankFailure, run_ranks
 from test_pp_fidelity import _check, _config, _train_pipeline
 
 
@@ -153,3 +155,28 @@ def test_pipeline_with_every_product_split_matches_single_process(pp: int, extra
         assert served == [0] * len(served)
     else:
         assert all(n > 0 for n in served), served
+
+
+def _train_with_failing_weight_pass(config: dict, manual: bool) -> dict:
+    from smp_compat.runtime import serving
+
+    calls = []
+
+    def fails_once(entries: list) -> None:  # the first weight pass runs in a task or after a reply
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("weight gradients failed on purpose")
+        late_weights.accumulate(entries)
+
+    late_weights.MIN_MULTIPLY_ADDS = 0
+    serving.accumulate = fails_once
+    return _train_pipeline(config, manual)
+
+
+def test_a_failing_weight_pass_fails_the_step_on_every_rank() -> None:
+    """No task waits for a weight pass: its error must still end the step, never leave a gradient out."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_train_with_failing_weight_pass, 2, _config(2, 4, "interleaved", auto=False), True, timeout=60)
+    assert time.monotonic() - start < 30
+    assert "RuntimeError: weight gradients failed on purpose" in str(info.value), str(info.value)[-3000:]
