@@ -361,6 +361,8 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         elif kind == "transport_error" and self._broken is None:  # after a lost peer: the same news again
             self._lose_connection(f"pipeline transport on rank {self.rank} failed", f": {meta['error']}", exits=False)
         elif kind == "peer_closed" and self._end_step is None:  # handled only in a step: one that needs the peer
+            if message.src not in self.pp_members and self._failure_follows():
+                return  # a tp peer ended this failed step first and left; the step's error came meanwhile
             self._lose_connection(
                 f"rank {message.src} left the job", f" (it closed its pipeline connection) while rank {self.rank} "
                 "was in a step with it: every rank must make the same @smp.step calls (did it return or sys.exit "

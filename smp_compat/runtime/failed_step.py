@@ -16,6 +16,8 @@ cannot be recalled.
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -31,6 +33,7 @@ __all__ = ["ABORT", "FailedStepSide", "StepAborted"]
 
 ABORT = "abort"
 _UNWIND_PRIORITY = (99,)  # the root waits until every unwinding task has run
+_TP_PEER_GRACE_S = 2.0  # how long a tp peer's departure waits for this rank to learn of the step's failure
 
 
 class StepAborted(Exception):
@@ -104,6 +107,20 @@ class FailedStepSide:
         deferred, self._deferred = self._deferred, []
         for message in deferred:
             self._handle(message)
+
+    def _failure_follows(self, within_s: float = _TP_PEER_GRACE_S) -> bool:
+        """A tp peer left in the middle of a step: whether a failure of this step reaches this rank soon after.
+        A step that fails on the first stage fails in every tp pipeline, and a peer whose own pipeline learned
+        of it first can end it, fail its next step (the engine is broken after a failure under tp) and leave
+        before this rank's pipeline peer has told it; that departure must not replace the step's error."""
+        deadline = time.monotonic() + within_s
+        while self._abort is None and (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self.scheduler.inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            self._handle(message)
+        return self._abort is not None
 
     def _receive_abort(self, src: int, meta: dict[str, Any]) -> None:
         abort = self._learn_failure(meta["error"], meta["origin"])
