@@ -13,12 +13,12 @@ import itertools
 import logging
 import types
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
 
-from smp_compat import failure, timeline
+from smp_compat import timeline
 from smp_compat.memory.activation_checkpointing import requested_checkpointing
 from smp_compat.errors import RemoteError, SMPUnsupportedError, StepUsageError
 from smp_compat.memory.materialize import materialize_local
@@ -361,22 +361,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         elif kind == "transport_error" and self._broken is None:  # after a lost peer: the same news again
             self._lose_connection(f"pipeline transport on rank {self.rank} failed", f": {meta['error']}", exits=False)
         elif kind == "peer_closed" and self._end_step is None:  # handled only in a step: one that needs the peer
-            if message.src not in self.pp_members and self._failure_follows():
-                return  # a tp peer ended this failed step first and left; the step's error came meanwhile
-            self._lose_connection(
-                f"rank {message.src} left the job", f" (it closed its pipeline connection) while rank {self.rank} "
-                "was in a step with it: every rank must make the same @smp.step calls (did it return or sys.exit "
-                "early?).", exits=True,
-            )  # fmt: skip
-
-    def _lose_connection(self, what: str, details: str, exits: bool) -> NoReturn:
-        """A peer's connection is gone: stop because of the failure (or early exit) behind it when one is
-        published, else raise ``what`` + ``details``; the engine refuses later steps."""
-        cause = failure.peer_failure(wait=2.0, exits=exits)  # a lost connection usually means a rank failed
-        if cause is not None:
-            failure.stop_because(cause)
-        self._break(what)
-        raise RemoteError(what + details)
+            self._peer_left(message.src)
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step_fn: Any, call: StepCall, microbatches: list[tuple[tuple, dict]]) -> list[Any]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from smp_compat import failure
-from smp_compat.errors import SMPTimeoutError, StepUsageError
+from smp_compat.errors import RemoteError, SMPTimeoutError, StepUsageError
 from smp_compat.runtime.tasks import Fatal, Scheduler, Task
 from smp_compat.runtime.messages import Message
 
@@ -107,6 +107,25 @@ class FailedStepSide:
         deferred, self._deferred = self._deferred, []
         for message in deferred:
             self._handle(message)
+
+    def _peer_left(self, src: int) -> None:
+        """A peer closed its connection in the middle of a step."""
+        if src not in self.pp_members and self._failure_follows():
+            return  # a tp peer ended this failed step first and left; the step's error came meanwhile
+        self._lose_connection(
+            f"rank {src} left the job", f" (it closed its pipeline connection) while rank {self.rank} was in a "
+            "step with it: every rank must make the same @smp.step calls (did it return or sys.exit early?).",
+            exits=True,
+        )
+
+    def _lose_connection(self, what: str, details: str, exits: bool) -> NoReturn:
+        """A peer's connection is gone: stop because of the failure (or early exit) behind it when one is
+        published, else raise ``what`` + ``details``; the engine refuses later steps."""
+        cause = failure.peer_failure(wait=2.0, exits=exits)  # a lost connection usually means a rank failed
+        if cause is not None:
+            failure.stop_because(cause)
+        self._break(what)
+        raise RemoteError(what + details)
 
     def _failure_follows(self, within_s: float = _TP_PEER_GRACE_S) -> bool:
         """A tp peer left in the middle of a step: whether a failure of this step reaches this rank soon after.
