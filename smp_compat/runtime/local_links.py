@@ -79,6 +79,7 @@ class LocalLink:
         self._ring_bytes = torch.frombuffer(self.ring, dtype=torch.uint8, offset=_CONTROL_BYTES, count=RING_BYTES)
         self.write_pos = 0
         self._reserved: tuple[int, int] | None = None  # ring space handed out by ``reserve``, not yet sent
+        self._free_to = 0  # every byte before it is read or skipped (a warm start skips the ring's rest)
         self.on_stall: Callable[[], None] = lambda: None  # called while a send waits for ring space
         self._note = bytearray(_NOTE.size)
         self._note_got = 0
@@ -124,7 +125,9 @@ class LocalLink:
         all_read = self.read_pos.value == start and start % RING_BYTES >= size  # then the ring's warm start
         if wraps or all_read:  # (both only skip bytes the receiver has passed or will pass: size <= ring / 2)
             start += RING_BYTES - start % RING_BYTES
-        while start + size - self.read_pos.value > RING_BYTES:
+        if all_read:  # nothing before ``start`` is unread, though read_pos stays behind until this chunk is read
+            self._free_to = start
+        while start + size - max(self.read_pos.value, self._free_to) > RING_BYTES:
             self._wait_for_space(start + size - RING_BYTES)
         self.write_pos = start + size
         return start
