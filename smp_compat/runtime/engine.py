@@ -115,7 +115,7 @@ class PipelineEngine(BackwardSide, ServingSide, FailedStepSide):
         self._rng = MicrobatchRng(state.device) if state.cfg.deterministic_server else None
         self.scheduler.rng = self._rng
         self._late_weights_on = self._late_weights_allowed()
-        self._left_weights: list | None = None
+        self._left_weights: tuple | None = None
         self._widest: dict[tuple[Any, ...], int] = {}
         self._step: StepRun | None = None
         self._end_step: Message | None = None

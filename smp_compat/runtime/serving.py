@@ -50,7 +50,7 @@ class ServingSide:
     root: nn.Module
     _late_weights_on: bool
     _widest: dict[tuple[Any, ...], int]
-    _left_weights: list[Entry] | None  # one served backward's weight gradients, left for an idle moment
+    _left_weights: tuple[list[Entry], Task] | None  # one served backward's weight gradients, left for an idle moment
 
     if TYPE_CHECKING:
 
@@ -190,17 +190,19 @@ class ServingSide:
         if not entries:
             return
         if self._left_weights is not None:
-            self._add_weights(self._left_weights)
+            waiting, task = self._left_weights
+            self._add_weights(waiting)
         else:
-            task = Task(f"weights-mb{mb}", self._add_left_weights, (WEIGHTS, next(self._arrivals)), mb)
+            task = Task("", self._add_left_weights, (WEIGHTS, next(self._arrivals)))
             task.phase = "backward"
             self.scheduler.spawn(task)
-        self._left_weights = entries
+        task.name, task.microbatch = f"weights-mb{mb}", mb  # the timeline names the backward it finishes
+        self._left_weights = (entries, task)
 
     def _add_left_weights(self) -> None:
-        entries, self._left_weights = self._left_weights, None
-        if entries is not None:
-            self._add_weights(entries)
+        left, self._left_weights = self._left_weights, None
+        if left is not None:
+            self._add_weights(left[0])
 
     def _add_weights(self, entries: list[Entry]) -> None:
         """No task waits for this work, so its failure fails the step (a gradient must not go missing)."""
@@ -214,9 +216,9 @@ class ServingSide:
         gradients as plain accumulation would): the weight gradients left waiting, and not their task."""
         for task in [t for t in self.scheduler.tasks if t.priority[0] == WEIGHTS and not t.started]:
             self.scheduler.tasks.remove(task)
-        entries, self._left_weights = self._left_weights, None
-        if entries is not None:
-            accumulate(entries)
+        left, self._left_weights = self._left_weights, None
+        if left is not None:
+            accumulate(left[0])
 
     def _reply_error(self, message: Message, kind: str, key: str, description: str, root: RootCause) -> None:
         text = f"rank {self.rank}, {description}:\n{traceback.format_exc()}"  # the caller raises it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smp_compat import timeline
 from smp_compat.runtime import late_weights
 from smp_compat.runtime.late_weights import WeightGradients, accumulate, splitting_linears
 from smp_compat.testing import RankFailure, run_ranks
@@ -136,9 +138,23 @@ def _train_every_product_split(config: dict, manual: bool) -> dict:
     added = []
     original = serving.accumulate
     serving.accumulate = lambda entries: (added.append(len(entries)), original(entries))[1]
+    recorder = timeline.enable(int(os.environ["RANK"]))
     result = _train_pipeline(config, manual)
     result["split"] = sum(added)
+    result["mislabelled"] = _mislabelled_weight_passes(recorder.spans)
     return result
+
+
+def _mislabelled_weight_passes(spans: list[timeline.Span]) -> list[str]:
+    """Weight passes whose timeline name is not the served backward they finish: the latest one done before."""
+    computed = sorted((s for s in spans if s.track == "compute"), key=lambda s: s.start)
+    wrong, last_backward = [], None
+    for span in computed:
+        if span.name.startswith("serve-bwd-mb"):
+            last_backward = span.name.removeprefix("serve-bwd-mb")
+        elif span.name.startswith("weights-mb") and span.name.removeprefix("weights-mb") != last_backward:
+            wrong.append(f"{span.name} after serve-bwd-mb{last_backward}")
+    return wrong
 
 
 @pytest.mark.parametrize(
@@ -155,6 +171,7 @@ def test_pipeline_with_every_product_split_matches_single_process(pp: int, extra
         assert served == [0] * len(served)
     else:
         assert all(n > 0 for n in served), served
+    assert [r["mislabelled"] for r in results] == [[]] * world
 
 
 def _train_with_failing_weight_pass(config: dict, manual: bool) -> dict:
