@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import resource
 import sys
 from typing import Any
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from smp_compat.heap import TUNE_MALLOC_ENV
 from smp_compat.testing import run_ranks
 
 __all__ = ["main", "measure"]
@@ -35,6 +37,7 @@ def _track_live_memory() -> None:
     By default glibc raises its mmap threshold after large frees and keeps later blocks on the heap, so the
     peak RSS would show the allocator's high-water mark rather than what was alive at the same time.
     """
+    os.environ[TUNE_MALLOC_ENV] = "0"  # smp.init would fix the thresholds high in this CPU pipeline
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
     except OSError:

@@ -38,13 +38,14 @@ from pp_workload import (  # noqa: E402
     preload,
 )
 from smp_compat import timeline  # noqa: E402
-from smp_compat.heap import keep_freed_memory  # noqa: E402
+from smp_compat.heap import TUNE_MALLOC_ENV  # noqa: E402
 from smp_compat.testing import run_ranks  # noqa: E402
 
 __all__ = ["Result", "main", "parse_args", "run"]
 
 RATIO_TARGET = 1.0  # issue 14: ahead of Schedule1F1B at width 1024
 IDLE_TOLERANCE = 0.05
+_MALLOC_NOTE = {None: ", malloc tuned by smp.init (its default here)", True: ", malloc tuned", False: ", glibc's malloc defaults"}
 MAIN_VARIANT = "smp-interleaved"
 BASELINES = ("torch-1F1B", "torch-GPipe")
 
@@ -88,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--target", type=float, default=RATIO_TARGET, help="smp-interleaved / Schedule1F1B to meet")
     p.add_argument("--bind", action="store_true", help="bind each rank (all its threads) to a core of its own")
-    p.add_argument("--tune-malloc", action="store_true",
-                   help="keep freed memory in the heap (smp-compat run --tune-malloc), for both libraries")  # fmt: skip
+    p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction,
+                   help="keep freed memory in the heap (smp-compat run --tune-malloc), or not (--no-tune-malloc: "
+                        "glibc as it is), for both libraries; default: smp.init's (on, this is a CPU pipeline)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the 2-rank job, seconds")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     args = p.parse_args(argv)
@@ -149,8 +151,8 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
     """Build both libraries once, check they compute the same first step, then alternate rounds."""
     if args.bind:
         bind_to_core(dist.get_rank())
-    if args.tune_malloc:
-        keep_freed_memory()
+    if args.tune_malloc is not None:  # before smp.init, which reads it; process-wide, so torch's rounds too
+        os.environ[TUNE_MALLOC_ENV] = "1" if args.tune_malloc else "0"
     smp_runner = SmpRunner.create(args.width, args.layers, args.microbatches)
     runners: dict[str, Any] = {v: smp_runner for v in SMP_VARIANTS}
     for v in TORCH_VARIANTS:
@@ -224,7 +226,7 @@ def _throughput_table(result: Result) -> Table:
     table = Table(
         title=f"pp=2 throughput: MLP width {a['width']} x {a['layers']} layers split {a['layers'] // 2}|"
         f"{a['layers'] - a['layers'] // 2}, batch {a['batch']}, microbatches {a['microbatches']}, "
-        f"{a['rounds']} rounds x {a['steps']} steps, {a['threads']} thread(s)/rank{', ranks bound to cores' if a.get('bind') else ''}{', malloc tuned' if a.get('tune_malloc') else ''}, CPU gloo"
+        f"{a['rounds']} rounds x {a['steps']} steps, {a['threads']} thread(s)/rank{', ranks bound to cores' if a.get('bind') else ''}{_MALLOC_NOTE[a.get('tune_malloc')]}, CPU gloo"
     )
     for col in ("variant", "samples/s", "/ 1F1B", "/ GPipe", "CPU ms/step r0", "r1", "faults/step r0", "r1"):
         table.add_column(col, justify="left" if col == "variant" else "right")

@@ -94,7 +94,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     state.device = _choose_device(backend, launch.local_rank)
     _export_rank_variables(launch)
     bind_from_environment(launch.local_rank, launch.local_size)
-    tune_from_environment()
+    tune_from_environment(pipelined_on_cpu=topology.pp_size > 1 and state.device.type == "cpu")
     if launch.world_size > 1 or cfg.ddp:
         _init_process_groups(launch, topology, backend)
     state.initialized = True
@@ -303,19 +303,32 @@ def bind_from_environment(local_rank: int, local_size: int, environ: Mapping[str
     return cores
 
 
-def tune_from_environment(environ: Mapping[str, str] | None = None) -> bool:
-    """Apply ``heap.keep_freed_memory`` when ``SMP_COMPAT_TUNE_MALLOC=1`` (``smp-compat run --tune-malloc``);
-    whether it was applied."""
-    if not _switched_on(TUNE_MALLOC_ENV, environ):
+def tune_from_environment(environ: Mapping[str, str] | None = None, *, pipelined_on_cpu: bool = False) -> bool:
+    """Apply ``heap.keep_freed_memory`` by default in a CPU pipeline, or as ``SMP_COMPAT_TUNE_MALLOC`` says
+    (``1``: ``smp-compat run --tune-malloc``, ``0``: ``--no-tune-malloc``); whether it was applied.
+
+    A CPU pipeline rank runs its microbatches on several threads, and glibc trims each thread's heap apart,
+    so without this every step faults its activations in again (docs/benchmarks.md, 2026-11-24 06:00).
+    """
+    asked = _switch(TUNE_MALLOC_ENV, environ)
+    if not (pipelined_on_cpu if asked is None else asked):
         return False
     if not keep_freed_memory():
-        log.warning("%s is set but the C library is not glibc; malloc is left as it is", TUNE_MALLOC_ENV)
+        if asked:
+            log.warning("%s is set but the C library is not glibc; malloc is left as it is", TUNE_MALLOC_ENV)
         return False
-    log.info("malloc keeps up to %d MiB of freed memory per heap (%s)", TRIM_BYTES >> 20, TUNE_MALLOC_ENV)
+    log.info("malloc keeps up to %d MiB of freed memory per heap (%s=0 to leave it alone)", TRIM_BYTES >> 20,
+             TUNE_MALLOC_ENV)  # fmt: skip
     return True
+
+
+def _switch(name: str, environ: Mapping[str, str] | None) -> bool | None:
+    """A launcher switch in ``environ`` (the process environment by default): on, off, or None when unset."""
+    env = os.environ if environ is None else environ
+    value = env.get(name, "").strip().lower()
+    return True if value in ("1", "true") else False if value in ("0", "false") else None
 
 
 def _switched_on(name: str, environ: Mapping[str, str] | None) -> bool:
     """A launcher switch (``smp-compat run`` exports ``1``) in ``environ``, the process environment by default."""
-    env = os.environ if environ is None else environ
-    return env.get(name, "").strip() in ("1", "true", "True")
+    return _switch(name, environ) is True

@@ -40,12 +40,12 @@ BIND_FLAG = "--bind-cores"
 """Pin each local rank to its own share of the cores (exported as ``SMP_COMPAT_BIND_CORES=1``)."""
 
 TUNE_MALLOC_FLAG = "--tune-malloc"
-"""Keep freed memory in each process's heap (exported as ``SMP_COMPAT_TUNE_MALLOC=1``)."""
+"""Keep freed memory in each process's heap (exported as ``SMP_COMPAT_TUNE_MALLOC=1``; ``--no-tune-malloc``: ``0``)."""
 
 FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
 """SageMaker's framework parameters; Hugging Face's Trainer needs ``sagemaker_mpi_enabled`` there for its SMP path."""
 
-_OWN_FLAGS = ("--dry-run", BIND_FLAG, TUNE_MALLOC_FLAG)
+_OWN_FLAGS = ("--dry-run", BIND_FLAG, TUNE_MALLOC_FLAG, "--no-" + TUNE_MALLOC_FLAG[2:])
 _OWN_VALUED = ("--config", TRUST_FLAG)
 _NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node")
 _TABLE_COLUMNS = ("rank", "pp_rank", "tp_rank", "rdp_rank", "dp_rank", "mp_rank")
@@ -208,10 +208,11 @@ def _run_parser() -> argparse.ArgumentParser:
     )
     own.add_argument(
         TUNE_MALLOC_FLAG,
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="keep freed memory in each process's heap instead of returning it to the OS (glibc), so a step does "
         f"not fault the same pages in again; costs up to {TRIM_BYTES >> 20} MiB of resident memory per thread "
-        f"heap. Exported as {TUNE_MALLOC_ENV}=1 and applied in smp.init. Off by default.",
+        f"heap. Exported as {TUNE_MALLOC_ENV}=1 (=0 with the no- form) and applied in smp.init. Default: on in "
+        "CPU pipelines (pipeline_parallel_degree > 1), whose ranks run microbatches on several threads.",
     )
     own.add_argument(
         TRUST_FLAG,
@@ -327,8 +328,8 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     env_updates = launch_environment(launch, cfg, env)
     if ns.bind_cores:
         env_updates[BIND_ENV] = "1"
-    if ns.tune_malloc:
-        env_updates[TUNE_MALLOC_ENV] = "1"
+    if ns.tune_malloc is not None:
+        env_updates[TUNE_MALLOC_ENV] = "1" if ns.tune_malloc else "0"
     if ns.trust_checkpoint:
         env_updates[TRUST_ENV] = trust_value(ns.trust_checkpoint, env.get(TRUST_ENV))
     return LaunchPlan(

@@ -1,4 +1,5 @@
-"""``smp-compat run --tune-malloc``: freed memory then stays in the heap (the launcher side: test_bind_cores.py)."""
+"""Freed memory stays in the heap: by default in a CPU pipeline, or as ``smp-compat run --[no-]tune-malloc`` says
+(the launcher side: test_bind_cores.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 
 import smp_compat.globalstate
 import smp_compat.heap
+from smp_compat.cli.run import plan_launch
 from smp_compat.globalstate import tune_from_environment
 from smp_compat.heap import TUNE_MALLOC_ENV
+from smp_compat.testing import run_ranks
 
 glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's"
@@ -54,14 +57,32 @@ def _faults_per_round(mode: str) -> list[int]:
     return [int(n) for n in out.stdout.split()]
 
 
-def test_unset_switch_leaves_malloc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_decides_and_unset_means_on_only_in_a_cpu_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     called = []
     monkeypatch.setattr(smp_compat.globalstate, "keep_freed_memory", lambda: called.append(1) or True)
     assert tune_from_environment({}) is False
-    assert tune_from_environment({TUNE_MALLOC_ENV: "0"}) is False
+    assert tune_from_environment({TUNE_MALLOC_ENV: "0"}, pipelined_on_cpu=True) is False
+    assert tune_from_environment({TUNE_MALLOC_ENV: "false"}, pipelined_on_cpu=True) is False
     assert called == []
+    assert tune_from_environment({}, pipelined_on_cpu=True) is True
     assert tune_from_environment({TUNE_MALLOC_ENV: "1"}) is True
-    assert called == [1]
+    assert called == [1, 1]
+
+
+def _init_and_report_tuning(pp: int) -> bool:
+    """Whether smp.init tuned malloc (the call is recorded, not made: the test process stays as it is)."""
+    import smp_compat as smp
+    import smp_compat.globalstate as globalstate
+
+    called: list[int] = []
+    globalstate.keep_freed_memory = lambda: called.append(1) or True
+    smp.init({"pipeline_parallel_degree": pp, "ddp": True})
+    return bool(called)
+
+
+@pytest.mark.parametrize(("pp", "tuned"), [(2, True), (1, False)])
+def test_smp_init_tunes_malloc_by_default_in_a_cpu_pipeline_only(pp: int, tuned: bool) -> None:
+    assert run_ranks(_init_and_report_tuning, 2, pp, env={TUNE_MALLOC_ENV: ""}, timeout=120) == [tuned] * 2
 
 
 @glibc_only
@@ -70,3 +91,11 @@ def test_freed_memory_is_faulted_in_again_by_default_and_kept_when_tuned() -> No
     pages = 8 * (1 << 20) // resource.getpagesize()
     assert min(default[1:]) > pages // 2, default  # glibc gave the 8 MiB back each round
     assert max(tuned[1:]) < pages // 16, tuned  # kept: written again without faults
+
+
+def test_run_exports_the_no_form_as_off(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    plan = plan_launch(["--no-tune-malloc", "--nproc-per-node", "2", str(script)], environ={})
+    assert plan.env_updates[TUNE_MALLOC_ENV] == "0"
+    assert "--no-tune-malloc" not in plan.command  # torchrun does not know it
