@@ -45,7 +45,8 @@ __all__ = ["Result", "main", "parse_args", "run"]
 
 RATIO_TARGET = 1.0  # issue 14: ahead of Schedule1F1B at width 1024
 IDLE_TOLERANCE = 0.05
-_MALLOC_NOTE = {None: ", malloc tuned by smp.init (its default here)", True: ", malloc tuned", False: ", glibc's malloc defaults"}
+_MALLOC_NOTE = {None: ", malloc tuned by smp.init (its default here)", True: ", malloc tuned",
+                False: ", glibc's malloc defaults"}
 MAIN_VARIANT = "smp-interleaved"
 BASELINES = ("torch-1F1B", "torch-GPipe")
 
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bind", action="store_true", help="bind each rank (all its threads) to a core of its own")
     p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction,
                    help="keep freed memory in the heap (smp-compat run --tune-malloc), or not (--no-tune-malloc: "
-                        "glibc as it is), for both libraries; default: smp.init's (on, this is a CPU pipeline)")  # fmt: skip
+                        "glibc as it is), for both libraries; default: smp.init's (on in a CPU pipeline)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the 2-rank job, seconds")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Keep freed memory in the process heap (``smp-compat run --tune-malloc``), so steps stop page-faulting.
+"""Keep freed memory in the process heap (by default in a CPU pipeline), so steps stop page-faulting.
 
 glibc gives the free top of each thread's heap back to the OS above a threshold, and serves blocks above
 another threshold with fresh mappings; both adapt to the largest block freed so far. A pipeline rank runs
@@ -6,7 +6,8 @@ its microbatches on several threads, each with a heap of its own, and every step
 faulted them in again: 1,000-1,700 minor faults per step on pp rank 0 of the width-512 benchmark, ~4.7 us
 each on the development VM, against ~100 for torch's single-threaded schedules (docs/benchmarks.md).
 Fixed, high thresholds keep those pages for reuse. The price is resident memory: up to ``TRIM_BYTES`` of
-freed memory may stay with each heap, so this is opt-in, like core binding.
+freed memory may stay with each heap. ``smp.init`` applies it in CPU pipelines, where the engine's threads
+cause the faults; ``SMP_COMPAT_TUNE_MALLOC`` decides for any job (``globalstate.tune_from_environment``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import platform
 __all__ = ["TUNE_MALLOC_ENV", "TRIM_BYTES", "MMAP_BYTES", "keep_freed_memory"]
 
 TUNE_MALLOC_ENV = "SMP_COMPAT_TUNE_MALLOC"
-"""Set to ``1`` (``smp-compat run --tune-malloc`` does) to keep freed memory in the heap, from ``smp.init`` on
-(``globalstate.tune_from_environment``)."""
+"""``1`` (``smp-compat run --tune-malloc``) keeps freed memory in the heap from ``smp.init`` on, ``0``
+(``--no-tune-malloc``) leaves malloc alone; unset: tuned in CPU pipelines (``globalstate.tune_from_environment``)."""
 
 TRIM_BYTES = 64 << 20
 """Free memory a heap keeps at its top before returning any to the OS."""
