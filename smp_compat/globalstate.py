@@ -315,7 +315,8 @@ def tune_from_environment(environ: Mapping[str, str] | None = None, *, pipelined
         return False
     if not keep_freed_memory():
         if asked:
-            log.warning("%s is set but the C library is not glibc; malloc is left as it is", TUNE_MALLOC_ENV)
+            log.warning("%s is set but malloc is not glibc's here (another C library, or LD_PRELOAD); left as it is",
+                        TUNE_MALLOC_ENV)
         return False
     log.info("malloc keeps up to %d MiB of freed memory per heap (%s=0 to leave it alone)", TRIM_BYTES >> 20,
              TUNE_MALLOC_ENV)  # fmt: skip

@@ -13,6 +13,7 @@ cause the faults; ``SMP_COMPAT_TUNE_MALLOC`` decides for any job (``globalstate.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 
 __all__ = ["TUNE_MALLOC_ENV", "TRIM_BYTES", "MMAP_BYTES", "keep_freed_memory"]
@@ -31,9 +32,15 @@ _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 
 
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
 def keep_freed_memory(trim_bytes: int = TRIM_BYTES, mmap_bytes: int = MMAP_BYTES) -> bool:
-    """Fix glibc's trim and mmap thresholds for the whole process; False where the C library is not glibc."""
+    """Fix glibc's trim and mmap thresholds for the whole process; False where glibc's malloc is not the one
+    in use (another C library, or an allocator preloaded in its place, which keeps freed memory itself)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
         return False
     libc = ctypes.CDLL(None)
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -99,3 +99,9 @@ def test_run_exports_the_no_form_as_off(tmp_path) -> None:
     plan = plan_launch(["--no-tune-malloc", "--nproc-per-node", "2", str(script)], environ={})
     assert plan.env_updates[TUNE_MALLOC_ENV] == "0"
     assert "--no-tune-malloc" not in plan.command  # torchrun does not know it
+
+
+def test_a_preloaded_allocator_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert smp_compat.heap.keep_freed_memory() is False
+    assert tune_from_environment({}, pipelined_on_cpu=True) is False
