@@ -292,7 +292,7 @@ def bind_process(cores: set[int]) -> None:
 
 def bind_from_environment(local_rank: int, local_size: int, environ: Mapping[str, str] | None = None) -> set[int] | None:
     """Bind this process to its share of the cores it may use when ``SMP_COMPAT_BIND_CORES=1``; the cores, or None."""
-    if not _switched_on(BIND_ENV, environ):
+    if not _switch(BIND_ENV, environ):
         return None
     if not hasattr(os, "sched_setaffinity"):
         log.warning("%s is set but this platform cannot bind threads to cores; running unbound", BIND_ENV)
@@ -328,8 +328,3 @@ def _switch(name: str, environ: Mapping[str, str] | None) -> bool | None:
     env = os.environ if environ is None else environ
     value = env.get(name, "").strip().lower()
     return True if value in ("1", "true") else False if value in ("0", "false") else None
-
-
-def _switched_on(name: str, environ: Mapping[str, str] | None) -> bool:
-    """A launcher switch (``smp-compat run`` exports ``1``) in ``environ``, the process environment by default."""
-    return _switch(name, environ) is True
