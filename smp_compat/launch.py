@@ -260,7 +260,7 @@ def _master_addr(env: Mapping[str, str], launcher: str, ranks: _Ranks) -> str:
         return _LOOPBACK
     if launcher == "mpi":
         sm_hosts = _get(env, "SM_HOSTS")
-        if sm_hosts is not None:
+        if sm_hosts is not None and _get(env, "SMP_COMPAT_LOCAL_HOSTS") is None:  # not names smp-compat made up
             return _first_sm_host(sm_hosts)
         return _single_node_or_fail(ranks, "Open MPI", " (e.g. `mpirun -x MASTER_ADDR=...`)")
     if launcher == "slurm":

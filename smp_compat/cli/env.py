@@ -6,13 +6,19 @@ import argparse
 import os
 import shlex
 
-from smp_compat.cli.run import launch_environment, note, read_launch_config, resolve_launch
+from smp_compat.cli.job_options import add_job_options, build_job
+from smp_compat.cli.run import launch_environment, note, num_gpus, read_launch_config, resolve_launch
+from smp_compat.cli.sm_env import node_position, prepare_job_dirs, training_environment
 
 __all__ = ["env_command"]
 
 
 def env_command(argv: list[str]) -> int:
-    """``smp-compat env``: print ``export`` lines for launching by hand (srun, mpirun) with the shim and config."""
+    """``smp-compat env``: print ``export`` lines for launching by hand (srun, mpirun) with the shim and config.
+
+    The SageMaker variables name this node by the Slurm step's or Open MPI's node rank, so on several
+    nodes evaluate the lines on each node (inside srun / mpirun's command); the job folders are created now.
+    """
     parser = argparse.ArgumentParser(
         prog="smp-compat env",
         description="Print shell export lines that make an unmodified SMP script run under srun, mpirun or "
@@ -20,11 +26,19 @@ def env_command(argv: list[str]) -> int:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="JSON_OR_FILE", help="as for `smp-compat run --config`")
+    add_job_options(parser)
     ns = parser.parse_args(argv)
     launch = read_launch_config(ns.config, os.environ)
     env = launch_environment(launch, resolve_launch(launch), os.environ)
+    nnodes, node_rank = node_position(os.environ, None, None)
+    job = build_job(ns, nnodes=nnodes, node_rank=node_rank, num_gpus=num_gpus(), entry_point=None)
+    env.update(training_environment(job, os.environ))
     for line in launch.notes:
         note(line)
+    prepare_job_dirs(job, {**os.environ, **env})
     for name, value in sorted(env.items()):
         print(f"export {name}={shlex.quote(value)}")
+    if job.script_args():
+        print(f"# the hyperparameters as script arguments (append them to the command): {shlex.join(job.script_args())}")
     return 0
+

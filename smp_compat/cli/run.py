@@ -16,6 +16,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from smp_compat.cli.estimator import Estimator, ignored_warning, read_estimator
+from smp_compat.cli.hyperparameters import split_framework
+from smp_compat.cli.job_options import JOB_VALUED, add_job_options, build_job
+from smp_compat.cli.sm_env import TrainingJob, node_position, prepare_job_dirs, rewrite_paths, training_environment
 from smp_compat.globalstate import BIND_ENV
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
 from smp_compat.errors import SMPConfigError
@@ -46,8 +50,11 @@ FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
 """SageMaker's framework parameters; Hugging Face's Trainer needs ``sagemaker_mpi_enabled`` there for its SMP path."""
 
 _OWN_FLAGS = ("--dry-run", BIND_FLAG, TUNE_MALLOC_FLAG, "--no-" + TUNE_MALLOC_FLAG[2:])
-_OWN_VALUED = ("--config", TRUST_FLAG)
+ESTIMATOR_FLAG = "--estimator"
+_OWN_VALUED = ("--config", TRUST_FLAG, ESTIMATOR_FLAG, *JOB_VALUED)
 _NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node")
+_NNODES_OPTIONS = ("--nnodes",)
+_NODE_RANK_OPTIONS = ("--node-rank", "--node_rank")
 _TABLE_COLUMNS = ("rank", "pp_rank", "tp_rank", "rdp_rank", "dp_rank", "mp_rank")
 _GROUP_AXES = ("pp", "tp", "rdp", "dp", "mp")
 
@@ -124,6 +131,11 @@ def read_launch_config(value: str | None, environ: Mapping[str, str]) -> LaunchC
         raw, source = parse_json(inherited, ENV_VAR), f"{ENV_VAR} (inherited)"
     else:
         raw, source = _load_config_value(value)
+    return launch_config_from(raw, source)
+
+
+def launch_config_from(raw: Any, source: str) -> LaunchConfig:
+    """A distribution dict (or its modelparallel part, or bare parameters) already parsed."""
     count, notes = _mpi_section(raw)
     return LaunchConfig(extract_mp_parameters(_without_mpi(raw)), count, source, notes)
 
@@ -222,6 +234,14 @@ def _run_parser() -> argparse.ArgumentParser:
         help="load checkpoints under DIR in full (any pickled object, e.g. a transformers config in user_content); "
         f"repeatable. Exported as {TRUST_ENV}. Only for checkpoints you trust.",
     )
+    own.add_argument(
+        ESTIMATOR_FLAG,
+        metavar="FILE",
+        help="run the job a sagemaker.pytorch.PyTorch estimator describes: a JSON file of its keyword arguments "
+        "(entry_point, source_dir, hyperparameters, distribution, instance_count, instance_type, ...) plus "
+        "optional inputs (channel: local dir). Give no script then.",
+    )
+    add_job_options(parser)
     return parser
 
 
@@ -250,10 +270,15 @@ def _split_argv(argv: Sequence[str], ns: argparse.Namespace) -> tuple[list[str],
     return list(argv[:index]), list(argv[index:])
 
 
+def _given(options: Sequence[str], names: Sequence[str], pet: str, environ: Mapping[str, str]) -> bool:
+    """Whether the user chose a torchrun option (on the command line or through torchrun's PET_ variable)."""
+    named = any(t in names or t.startswith(tuple(f"{o}=" for o in names)) for t in options)
+    return named or bool(environ.get(pet))
+
+
 def _nproc_given(options: Sequence[str], environ: Mapping[str, str]) -> bool:
-    """Whether the user chose --nproc-per-node (on the command line or through torchrun's PET_ variable)."""
-    named = any(t in _NPROC_OPTIONS or t.startswith(tuple(f"{o}=" for o in _NPROC_OPTIONS)) for t in options)
-    return named or bool(environ.get("PET_NPROC_PER_NODE"))
+    """Whether the user chose --nproc-per-node."""
+    return _given(options, _NPROC_OPTIONS, "PET_NPROC_PER_NODE", environ)
 
 
 def _local_world_size(value: str) -> int | None:
@@ -293,6 +318,9 @@ class LaunchPlan:
     nnodes: int | None
     nproc_per_node: int | None
     dry_run: bool
+    job: TrainingJob | None = None
+    notes: tuple[str, ...] = ()
+    cwd: str | None = None
 
     @property
     def world_size(self) -> int | None:
@@ -311,35 +339,156 @@ def _check_script(ns: argparse.Namespace) -> None:
         )
 
 
+_PLACEHOLDER = "<the estimator's entry_point>"
+
+
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], Estimator | None]:
+    """The options, the command line with the script in place, and the estimator (``--estimator``) if any.
+
+    With ``--estimator`` the entry point is the script: the command line is parsed with a stand-in
+    for it, and a script given as well is an error.
+    """
+    parser = _run_parser()
+    if any(t == ESTIMATOR_FLAG or t.startswith(ESTIMATOR_FLAG + "=") for t in argv):
+        ns = parser.parse_args([*argv, _PLACEHOLDER])
+        if ns.estimator is not None:
+            if ns.training_script != _PLACEHOLDER or ns.training_script_args:
+                raise SMPConfigError(
+                    f"{ESTIMATOR_FLAG} names the training script (its entry_point), and a script was given too "
+                    f"({ns.training_script!r}). Remove the script from the command line, or drop {ESTIMATOR_FLAG}."
+                )
+            estimator = read_estimator(ns.estimator)
+            ns.training_script = str(estimator.entry_point)
+            return ns, [*argv, ns.training_script], estimator
+    return parser.parse_args(list(argv)), list(argv), None
+
+
+def _estimator_launch(ns: argparse.Namespace, estimator: Estimator | None, env: Mapping[str, str]) -> LaunchConfig:
+    """--config, or the estimator's distribution (not both), or an inherited SM_HP_MP_PARAMETERS."""
+    if estimator is None or estimator.distribution is None:
+        return read_launch_config(ns.config, env)
+    if ns.config is not None:
+        raise SMPConfigError(
+            f"Both --config and the \"distribution\" of {estimator.source} give the SMP config; give it once "
+            "(drop --config, or the estimator's distribution)."
+        )
+    return launch_config_from(estimator.distribution, f"{estimator.source} distribution")
+
+
+def _estimator_options(
+    options: list[str], estimator: Estimator | None, launch: LaunchConfig, env: Mapping[str, str]
+) -> tuple[list[str], list[str]]:
+    """(torchrun options with the job's --nnodes and --nproc-per-node where the user gave none, notes)."""
+    notes: list[str] = []
+    count = launch.processes_per_host
+    if count is None and estimator is not None:
+        count = estimator.processes_per_host()
+        if count is None and not _nproc_given(options, env):
+            notes.append(
+                f"instance_type {estimator.instance_type!r} is not in smp-compat's table of GPU instances and the "
+                "distribution sets no mpi.processes_per_host: pass --nproc-per-node (torchrun's default is 1)"
+            )
+    if count is not None and not _nproc_given(options, env):
+        options = ["--nproc-per-node", str(count), *options]
+    if estimator is not None and not _given(options, _NNODES_OPTIONS, "PET_NNODES", env):
+        options = ["--nnodes", str(estimator.instance_count), *options]
+    return options, notes
+
+
+def _option_value(options: Sequence[str], names: Sequence[str], default: str) -> str:
+    """The last value given to one of ``names`` in ``options`` (``--x v`` or ``--x=v``)."""
+    value = default
+    for i, token in enumerate(options):
+        if token in names and i + 1 < len(options):
+            value = options[i + 1]
+        elif token.startswith(tuple(f"{n}=" for n in names)):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def num_gpus() -> int:
+    """GPUs on this host (SM_NUM_GPUS)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _job(
+    ns: argparse.Namespace, options: list[str], estimator: Estimator | None, env: Mapping[str, str]
+) -> TrainingJob:
+    """The SageMaker job: its hosts follow the launcher's node count and node rank."""
+    nnodes = node_rank = None
+    if _given(options, _NNODES_OPTIONS, "PET_NNODES", env):
+        nnodes = _node_count(_option_value(options, _NNODES_OPTIONS, env.get("PET_NNODES") or ns.nnodes))
+    if _given(options, _NODE_RANK_OPTIONS, "PET_NODE_RANK", env):
+        rank = _option_value(options, _NODE_RANK_OPTIONS, env.get("PET_NODE_RANK") or str(ns.node_rank))
+        node_rank = int(rank) if rank.isdigit() else None
+    count, index = node_position(env, nnodes, node_rank)
+    entry = None if ns.module or ns.no_python else Path(ns.training_script).resolve()
+    return build_job(ns, nnodes=count, node_rank=index, num_gpus=num_gpus(), entry_point=entry, estimator=estimator)
+
+
+def _job_environment(job: TrainingJob, estimator: Estimator | None, env: Mapping[str, str], base: dict[str, str]) -> None:
+    """Add the SM_* variables, the sagemaker_* framework hyperparameters and the estimator's environment."""
+    base.update(training_environment(job, env))
+    framework = split_framework(job.hyperparameters)[1]
+    if framework:
+        base[FRAMEWORK_ENV] = json.dumps({**json.loads(base[FRAMEWORK_ENV]), **framework})
+    if estimator is None:
+        return
+    if estimator.dependencies:
+        base["PYTHONPATH"] = os.pathsep.join([*(str(d) for d in estimator.dependencies), base["PYTHONPATH"]])
+    for name, value in estimator.environment.items():
+        if name not in env:
+            base[name] = value
+
+
+def _rewrite_notes(job: TrainingJob) -> list[str]:
+    """One note per hyperparameter whose SageMaker path was replaced by the local one."""
+    notes = []
+    for key, value in sorted(job.script_hyperparameters.items()):
+        local = rewrite_paths(job, value)
+        if local != value:
+            notes.append(f"hyperparameter {key}: {value} -> {local}")
+    return notes
+
+
 def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Parse ``smp-compat run`` arguments and decide the torchrun command and its environment (no side effects)."""
     env = os.environ if environ is None else environ
-    ns = _run_parser().parse_args(list(argv))
+    ns, argv, estimator = _parse(argv)
     options, script = _split_argv(argv, ns)
     _check_script(ns)
     options = _strip_own_options(options)
-    launch = read_launch_config(ns.config, env)
+    launch = _estimator_launch(ns, estimator, env)
     cfg = resolve_launch(launch)
-    nproc = ns.nproc_per_node
-    if launch.processes_per_host is not None and not _nproc_given(options, env):
-        nproc = str(launch.processes_per_host)
-        options = ["--nproc-per-node", nproc, *options]
+    options, notes = _estimator_options(options, estimator, launch, env)
+    if estimator is not None and (warning := ignored_warning(estimator)):
+        notes.insert(0, warning)
+    job = _job(ns, options, estimator, env)
+    notes += _rewrite_notes(job)
+    script = [script[0], *job.script_args(), *script[1:]]
     command = [sys.executable, "-m", "torch.distributed.run", *options, *script]
     env_updates = launch_environment(launch, cfg, env)
+    _job_environment(job, estimator, env, env_updates)
     if ns.bind_cores:
         env_updates[BIND_ENV] = "1"
     if ns.tune_malloc is not None:
         env_updates[TUNE_MALLOC_ENV] = "1" if ns.tune_malloc else "0"
     if ns.trust_checkpoint:
         env_updates[TRUST_ENV] = trust_value(ns.trust_checkpoint, env.get(TRUST_ENV))
+    nproc = _option_value(options, _NPROC_OPTIONS, ns.nproc_per_node)
     return LaunchPlan(
         command=command,
         env_updates=env_updates,
         launch=launch,
         config=cfg,
-        nnodes=_node_count(ns.nnodes),
+        nnodes=_node_count(_option_value(options, _NNODES_OPTIONS, ns.nnodes)),
         nproc_per_node=_local_world_size(nproc),
         dry_run=ns.dry_run,
+        job=job,
+        notes=tuple(notes),
+        cwd=str(job.source_dir or job.entry_point.parent) if estimator is not None and job.entry_point else None,
     )
 
 
@@ -407,11 +556,28 @@ def _print_dry_run(plan: LaunchPlan) -> None:
         print("Groups list global ranks; entry i of a group has group rank i.")
     if plan.launch.parameters is None:
         print("No launch config: the script's smp.init(...) dict decides (layout shown for the defaults).")
+    if plan.job is not None:
+        _print_job(plan.job, plan.env_updates, plan.cwd)
     print("Environment added for every process:")
     for name, value in sorted(plan.env_updates.items()):
         print(f"  {name}={value}")
     print("Command:")
     print("  " + shlex.join(plan.command))
+
+
+def _print_job(job: TrainingJob, env: Mapping[str, str], cwd: str | None) -> None:
+    """The SageMaker side: folders, channels, hosts, and the hyperparameters as the script will see them."""
+    print(f"SageMaker job {job.job_name!r} in {job.job_dir} (created at launch):")
+    print(f"  model {job.model_dir}, output {job.output_dir}, checkpoints (for /opt/ml/checkpoints) {job.checkpoint_dir}")
+    for name, path in sorted(job.channels.items()):
+        print(f"  channel {name}: {path}")
+    print(f"  host {job.hosts[job.node_rank]} of {json.dumps(job.hosts)} (node rank {job.node_rank})")
+    print(f"  script arguments from hyperparameters: {shlex.join(job.script_args()) or '(none)'}")
+    kept = sorted(k for k in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_CURRENT_HOST", "SM_HOSTS") if k not in env)
+    if kept:
+        print(f"  kept as exported: {', '.join(kept)}")
+    if cwd is not None:
+        print(f"  working directory: {cwd} (the entry point's source_dir, as on SageMaker)")
 
 
 # ---------------------------------------------------------------- the command
@@ -420,7 +586,7 @@ def _print_dry_run(plan: LaunchPlan) -> None:
 def run_command(argv: list[str]) -> int:
     """``smp-compat run``: check, then exec torchrun (or, with --dry-run, show the plan and stop)."""
     plan = plan_launch(argv)
-    for line in plan.launch.notes:
+    for line in (*plan.launch.notes, *plan.notes):
         note(line)
     problem = _world_size_problem(plan)
     if plan.dry_run:
@@ -430,6 +596,10 @@ def run_command(argv: list[str]) -> int:
         return 0
     if problem:
         note(f"warning: {problem}")
+    if plan.job is not None:
+        prepare_job_dirs(plan.job, {**os.environ, **plan.env_updates})
+    if plan.cwd is not None:
+        os.chdir(plan.cwd)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, plan.command, {**os.environ, **plan.env_updates})
