@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from smp_compat.checkpoints import folders, state_dicts
+from smp_compat.checkpoints import folders, signing, state_dicts
 from smp_compat.checkpoints.convert import load_file
 from smp_compat.checkpoints.serialization import atomic_save, atomic_write
 from smp_compat.errors import CheckpointError
@@ -136,6 +136,7 @@ def write_checkpoint_parts(grid: list[list[Mapping[str, Any]]], root: str | os.P
     if user_content is not None and user_content.is_file():
         data = user_content.read_bytes()  # copied, not unpickled: it may hold objects safe loading refuses
         atomic_write(staging / folders.USER_CONTENT_FILE, lambda handle: handle.write(data))
+        _copy_digest(user_content, staging / folders.USER_CONTENT_FILE)
     else:
         atomic_save(None, staging / folders.USER_CONTENT_FILE)
     partition = None
@@ -162,3 +163,11 @@ def write_save_parts(grid: list[list[Mapping[str, Any]]], base: str | os.PathLik
         paths.append(Path(f"{base}_{pp_rank}_{tp_rank}.pt"))
         atomic_save(part, paths[-1])
     return paths
+
+
+def _copy_digest(source: Path, target: Path) -> None:
+    """The same bytes keep their keyed digest (still valid: it covers the content only); none is made up."""
+    digest = signing.digest_path(source)
+    if digest.is_file():
+        text = digest.read_bytes()
+        atomic_write(signing.digest_path(target), lambda handle: handle.write(text))

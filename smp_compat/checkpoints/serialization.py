@@ -7,6 +7,7 @@ arbitrary pickled objects load only from files the user trusts (``SMP_COMPAT_TRU
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -20,6 +21,7 @@ import torch
 
 from smp_compat.errors import CheckpointError, SMPError
 from smp_compat.globalstate import state
+from smp_compat.checkpoints import signing
 from smp_compat.checkpoints.load_policy import allow_harmless, is_trusted, refusal_message
 
 __all__ = [
@@ -54,8 +56,15 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str], **save_kwargs: Any) -> None:
-    """``torch.save`` through ``atomic_write``."""
-    atomic_write(path, lambda handle: torch.save(obj, handle, **save_kwargs))
+    """``torch.save`` through ``atomic_write``, then its keyed digest beside it (``signing``).
+
+    The digest is written second: a process killed between the two leaves a file whose digest does
+    not match, which safe loading still reads and anything more refuses.
+    """
+    mac = signing.new_mac(signing.user_key())
+    atomic_write(path, lambda handle: torch.save(obj, signing.DigestingWriter(handle, mac), **save_kwargs))
+    digest = mac.hexdigest()
+    atomic_write(signing.digest_path(path), lambda handle: handle.write(digest.encode("ascii")))
 
 
 def fsync_dir(directory: Path) -> None:
@@ -95,8 +104,19 @@ def safe_load(
         except pickle.UnpicklingError as exc:
             if not is_refusal(exc):
                 raise
+            signed = _signed_bytes(path)
+            if signed is not None:  # written by smp_compat under this user's key, unchanged since
+                return torch.load(io.BytesIO(signed), map_location=map_location, weights_only=False, **kw)
             folder = trust_folder if trust_folder is not None else Path(path).parent
             raise CheckpointError(refusal_message(path, exc, folder)) from exc
+
+
+def _signed_bytes(path: Any) -> bytes | None:
+    """The file's bytes when its digest verifies (read once: what is checked is what loads), else None."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    data = Path(path).read_bytes()
+    return data if signing.verifies(path, data) else None
 
 
 def is_refusal(exc: pickle.UnpicklingError) -> bool:

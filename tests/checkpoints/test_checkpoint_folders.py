@@ -29,7 +29,8 @@ N_STEPS, K_STEPS, GLOBAL_BATCH = 4, 2, 8
 
 
 def _names(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
+    """The files saved, without the keyed digest beside each (checkpoints.signing)."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.endswith(".hmac"))
 
 
 # ---------------------------------------------------------------------------- pipeline runs (forked ranks)
@@ -348,6 +349,8 @@ def test_user_content_loads_safely_unless_trusted(tmp_path: Path) -> None:
     smp.init({})
     model, opt, _ = _one()
     smp.save_checkpoint(tmp_path, "obj", model=model, optimizer=opt, user_content={"thing": Opaque(3)})
+    assert smp.resume_from_checkpoint(tmp_path)["thing"].value == 3  # this job's own: its keyed digest verifies
+    (tmp_path / "obj_partial" / "user_content.pt.hmac").unlink()  # as a file smp_compat did not write
     with pytest.raises(CheckpointError, match="weights_only=False"):
         smp.resume_from_checkpoint(tmp_path)
     content = smp.resume_from_checkpoint(tmp_path, weights_only=False)

@@ -249,6 +249,6 @@ def test_split_by_plan_balanced_and_as_smp_save_parts(tmp_path: Path) -> None:
     plain = tmp_path / "plain.pt"
     torch.save({"model": sd, "epoch": 1}, plain)
     assert main(["checkpoint", "split", str(plain), "--pp", "2", "--layout", "save", "-o", str(tmp_path / "w")]) == 0
-    assert sorted(p.name for p in tmp_path.glob("w_*")) == ["w_0_0.pt", "w_1_0.pt"]
+    assert sorted(p.name for p in tmp_path.glob("w_*.pt")) == ["w_0_0.pt", "w_1_0.pt"]
     merged = convert.merge_model(convert.detect_layout(tmp_path / "w"))
     assert all(torch.equal(merged[k], v) for k, v in sd.items())

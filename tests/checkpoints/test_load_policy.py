@@ -1,7 +1,8 @@
 """Safe loading lets a job resume its own user_content: harmless types load, the rest when trusted (issue 10).
 
 A script's argparse Namespace, numpy scalars/dtypes/arrays and paths load by default; a ``transformers``
-config loads only when the folder is trusted, through ``SMP_COMPAT_TRUST_CHECKPOINTS`` or
+config in a file smp_compat did not write for this user (no valid keyed digest, see test_signing.py)
+loads only when the folder is trusted, through ``SMP_COMPAT_TRUST_CHECKPOINTS`` or
 ``smp-compat run --trust-checkpoint DIR`` (no script edit), or with ``weights_only=False``.
 """
 
@@ -58,9 +59,16 @@ def _model() -> Any:
 
 
 def _save_config_checkpoint(root: Path) -> None:
+    """A checkpoint as if from elsewhere: its keyed digests removed (a job's own loads in full: test_signing)."""
     smp.init({})
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2)
     smp.save_checkpoint(root, "gpt2", model=_model(), user_content={"model_config": config, "step": 3})
+    _unsign(root)
+
+
+def _unsign(root: Path) -> None:
+    for digest in root.rglob("*.hmac"):
+        digest.unlink()
 
 
 def _assert_config(content: Any) -> None:
@@ -162,6 +170,7 @@ def test_weights_only_false_still_works(tmp_path: Path) -> None:
 def test_smp_load_refuses_and_trusts_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     smp.init({})
     smp.save({"model_config": transformers.GPT2Config(n_layer=2), "step": 3}, tmp_path / "cfg.pt")
+    _unsign(tmp_path)
     with pytest.raises(CheckpointError) as info:
         smp.load(tmp_path / "cfg.pt")
     message = str(info.value)

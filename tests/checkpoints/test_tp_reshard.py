@@ -51,7 +51,7 @@ def test_pp_x_tp_grid_merges_back_to_the_whole_model_and_adam_state(pp: int, tp:
     full = _full()
     optimizer = _adam(full)
     folder = _write(full, optimizer, pp, tp, tmp_path / "ck")
-    names = sorted(p.name for p in folder.glob("*_states_*"))
+    names = sorted(p.name for p in folder.glob("*_states_*.pt"))
     assert names == sorted(f"optimizer_states_{p}_{t}.pt" for p in range(pp) for t in range(tp))
     local = torch.load(folder / "model_0_0.pt", weights_only=True)
     assert local["a.weight"].shape == (8 // tp, 4) and local["_smp_load_info"]["tensor_parallel_degree"] == tp

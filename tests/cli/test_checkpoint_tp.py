@@ -77,7 +77,7 @@ def _mean_losses(results: list[dict], steps: range) -> torch.Tensor:
 def test_merge_joins_tp_shards_into_the_full_state_dict_and_stock_hf(tp2_run: tuple[Path, list[dict]],
                                                                      tmp_path: Path) -> None:  # fmt: skip
     root, results = tp2_run
-    assert sorted(p.name for p in (root / "s1_partial").glob("model_*")) == ["model_0_0.pt", "model_0_1.pt"]
+    assert sorted(p.name for p in (root / "s1_partial").glob("model_*.pt")) == ["model_0_0.pt", "model_0_1.pt"]
     out, hf_out, opt_out = tmp_path / "model.pt", tmp_path / "hf.pt", tmp_path / "optim.pt"
     assert main(["checkpoint", "merge", str(root), "-o", str(out), "--optimizer-output", str(opt_out)]) == 0
     merged, full = torch.load(out, weights_only=True), results[0]["full"]
