@@ -39,6 +39,7 @@ def env_command(argv: list[str]) -> int:
     for name, value in sorted(env.items()):
         print(f"export {name}={shlex.quote(value)}")
     if job.script_args():
-        print(f"# the hyperparameters as script arguments (append them to the command): {shlex.join(job.script_args())}")
+        args = shlex.join(job.script_args())
+        print(f"# the hyperparameters as script arguments (append them to the command): {args}")
     return 0
 

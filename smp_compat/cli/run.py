@@ -428,7 +428,9 @@ def _job(
     return build_job(ns, nnodes=count, node_rank=index, num_gpus=num_gpus(), entry_point=entry, estimator=estimator)
 
 
-def _job_environment(job: TrainingJob, estimator: Estimator | None, env: Mapping[str, str], base: dict[str, str]) -> None:
+def _job_environment(
+    job: TrainingJob, estimator: Estimator | None, env: Mapping[str, str], base: dict[str, str]
+) -> None:
     """Add the SM_* variables, the sagemaker_* framework hyperparameters and the estimator's environment."""
     base.update(training_environment(job, env))
     framework = split_framework(job.hyperparameters)[1]
@@ -568,7 +570,8 @@ def _print_dry_run(plan: LaunchPlan) -> None:
 def _print_job(job: TrainingJob, env: Mapping[str, str], cwd: str | None) -> None:
     """The SageMaker side: folders, channels, hosts, and the hyperparameters as the script will see them."""
     print(f"SageMaker job {job.job_name!r} in {job.job_dir} (created at launch):")
-    print(f"  model {job.model_dir}, output {job.output_dir}, checkpoints (for /opt/ml/checkpoints) {job.checkpoint_dir}")
+    print(f"  model {job.model_dir}, output {job.output_dir}")
+    print(f"  checkpoints (for /opt/ml/checkpoints) {job.checkpoint_dir}")
     for name, path in sorted(job.channels.items()):
         print(f"  channel {name}: {path}")
     print(f"  host {job.hosts[job.node_rank]} of {json.dumps(job.hosts)} (node rank {job.node_rank})")

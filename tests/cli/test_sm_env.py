@@ -61,7 +61,8 @@ def test_arguments_are_sorted_and_one_letter_names_get_one_dash() -> None:
 
 
 def test_hyperparameters_reach_the_script_and_environment(data: dict[str, Path]) -> None:
-    hps = {"epochs": 2, "lr": 0.001, "fp16": True, "sagemaker_program": "train.py", "checkpoint-dir": "/opt/ml/checkpoints"}
+    hps = {"epochs": 2, "lr": 0.001, "fp16": True, "sagemaker_program": "train.py",
+           "checkpoint-dir": "/opt/ml/checkpoints"}  # fmt: skip
     plan = _plan(data, "--hyperparameters", json.dumps(hps))
     ckpt = str(data["root"] / "job" / "checkpoints")
     args = ["--checkpoint-dir", ckpt, "--epochs", "2", "--fp16", "True", "--lr", "0.001"]

@@ -104,7 +104,7 @@ def _partial_save_load(path: str) -> dict:
     if smp.rdp_rank() == 0:
         smp.save(model.local_state_dict(), path, partial=True)
     smp.barrier()
-    files = sorted(os.listdir(os.path.dirname(path)))
+    files = sorted(f for f in os.listdir(os.path.dirname(path)) if not f.endswith(".hmac"))  # digests aside
     before = {k: v.clone() for k, v in model.local_state_dict().items() if isinstance(v, torch.Tensor)}
     with torch.no_grad():
         for p in model.parameters():

@@ -101,7 +101,8 @@ def _straight(directory: str) -> dict:
     smp.barrier()
     losses += _steps(smp, opt, train_step, SAVE_AFTER, STEPS)
     local = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-    return {"losses": losses, "local": local, "files": sorted(os.listdir(directory)), "rank": smp.rank()}
+    files = sorted(f for f in os.listdir(directory) if not f.endswith(".hmac"))  # keyed digests aside
+    return {"losses": losses, "local": local, "files": files, "rank": smp.rank()}
 
 
 def _resumed(directory: str) -> dict:
