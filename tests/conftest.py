@@ -11,17 +11,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _checkpoint_key(tmp_path_factory: pytest.TempPathFactory):
-    """Checkpoint digests use a key in a temporary folder, never the real ~/.config (subprocesses inherit it)."""
+def _temporary_user_paths(tmp_path_factory: pytest.TempPathFactory):
+    """Checkpoint digests use a key in a temporary folder, never the real ~/.config, and `smp-compat run`'s
+    default job folder is temporary too, not the repository (subprocesses inherit both)."""
     from smp_compat.checkpoints.signing import KEY_ENV
 
-    saved = os.environ.get(KEY_ENV)
+    from smp_compat.cli.sm_env import JOB_DIR_ENV
+
+    saved = {name: os.environ.get(name) for name in (KEY_ENV, JOB_DIR_ENV)}
     os.environ[KEY_ENV] = str(tmp_path_factory.mktemp("key") / "checkpoint.key")
+    os.environ[JOB_DIR_ENV] = str(tmp_path_factory.mktemp("smp-compat-job"))  # `smp-compat run` writes no job here
     yield
-    if saved is None:
-        os.environ.pop(KEY_ENV, None)
-    else:
-        os.environ[KEY_ENV] = saved
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

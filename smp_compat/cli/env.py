@@ -31,7 +31,7 @@ def env_command(argv: list[str]) -> int:
     launch = read_launch_config(ns.config, os.environ)
     env = launch_environment(launch, resolve_launch(launch), os.environ)
     nnodes, node_rank = node_position(os.environ, None, None)
-    job = build_job(ns, nnodes=nnodes, node_rank=node_rank, num_gpus=num_gpus(), entry_point=None)
+    job = build_job(ns, os.environ, nnodes=nnodes, node_rank=node_rank, num_gpus=num_gpus(), entry_point=None)
     env.update(training_environment(job, os.environ))
     for line in launch.notes:
         note(line)

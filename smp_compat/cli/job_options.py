@@ -9,7 +9,9 @@ from typing import Any
 
 from smp_compat.cli.estimator import Estimator
 from smp_compat.cli.hyperparameters import read_hyperparameters
-from smp_compat.cli.sm_env import DEFAULT_JOB_DIR, SAGEMAKER_ROOT, TrainingJob, channel_env_name, parse_channel
+from smp_compat.cli.sm_env import (
+    DEFAULT_JOB_DIR, JOB_DIR_ENV, SAGEMAKER_ROOT, TrainingJob, channel_env_name, parse_channel,
+)  # fmt: skip
 from smp_compat.errors import SMPConfigError
 
 __all__ = ["JOB_VALUED", "add_job_options", "build_job"]
@@ -25,7 +27,7 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--job-dir", metavar="DIR", help=f"the job folder: model/, output/data/, checkpoints/, input/config/ (default "
-        f"./{DEFAULT_JOB_DIR})"
+        f"${JOB_DIR_ENV}, else ./{DEFAULT_JOB_DIR})"
     )  # fmt: skip
     group.add_argument(
         "--channel", action="append", default=[], metavar="NAME=DIR",
@@ -95,6 +97,7 @@ def _channels(values: list[str]) -> dict[str, Path]:
 
 def build_job(
     ns: argparse.Namespace,
+    environ: Mapping[str, str],
     *,
     nnodes: int,
     node_rank: int,
@@ -103,7 +106,7 @@ def build_job(
     estimator: Estimator | None = None,
 ) -> TrainingJob:
     """The job the options (and the estimator, if any) describe; every input checked, nothing written."""
-    job_dir = _path(ns.job_dir or DEFAULT_JOB_DIR)
+    job_dir = _path(ns.job_dir or environ.get(JOB_DIR_ENV, "").strip() or DEFAULT_JOB_DIR)
     given = _channels(ns.channel)
     channels = estimator.channel_dirs(given) if estimator is not None else given
     return TrainingJob(

@@ -27,6 +27,7 @@ from smp_compat.errors import SMPConfigError
 
 __all__ = [
     "DEFAULT_JOB_DIR",
+    "JOB_DIR_ENV",
     "LOCAL_HOSTS_ENV",
     "TrainingJob",
     "channel_env_name",
@@ -39,6 +40,9 @@ __all__ = [
 
 DEFAULT_JOB_DIR = "smp-compat-job"
 """The job folder, relative to the working directory, when ``--job-dir`` is not given."""
+
+JOB_DIR_ENV = "SMP_COMPAT_JOB_DIR"
+"""The job folder when ``--job-dir`` is not given (e.g. set once in a cluster profile)."""
 
 LOCAL_HOSTS_ENV = "SMP_COMPAT_LOCAL_HOSTS"
 """Set to 1 when ``SM_HOSTS`` holds SageMaker-style names made up here (``algo-1``...), not network names."""

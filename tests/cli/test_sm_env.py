@@ -10,7 +10,7 @@ import pytest
 from smp_compat.cli.commands import main
 from smp_compat.cli.hyperparameters import env_value, to_cmd_args
 from smp_compat.cli.run import plan_launch
-from smp_compat.cli.sm_env import LOCAL_HOSTS_ENV
+from smp_compat.cli.sm_env import JOB_DIR_ENV, LOCAL_HOSTS_ENV
 from smp_compat.launch import detect_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +99,11 @@ def test_folders_and_channels_default_under_one_job_dir(data: dict[str, Path]) -
     training = json.loads(env["SM_TRAINING_ENV"])
     assert training["channel_input_dirs"] == {"train": str(data["train"]), "test": str(data["test"])}
     assert training["model_dir"] == env["SM_MODEL_DIR"] and training["hosts"] == ["algo-1"]
+
+
+def test_the_job_folder_from_the_environment(data: dict[str, Path]) -> None:
+    plan = plan_launch([str(data["script"])], environ={JOB_DIR_ENV: str(data["root"] / "jobs")})
+    assert plan.env_updates["SM_MODEL_DIR"] == str(data["root"] / "jobs" / "model")
 
 
 def test_options_set_the_folders(data: dict[str, Path]) -> None:
