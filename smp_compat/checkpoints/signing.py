@@ -55,9 +55,15 @@ def _read_key(path: Path) -> bytes:
             f"The checkpoint key {path} can be read or written by other users (mode {stat.filemode(mode)}); "
             f"anyone who reads it could make a file load in full. Run `chmod 600 {path}`."
         )
-    key = bytes.fromhex(path.read_text(encoding="ascii").strip())
+    try:
+        key = bytes.fromhex(path.read_text(encoding="ascii").strip())
+    except (ValueError, UnicodeDecodeError):
+        key = b""
     if len(key) < 16:
-        raise CheckpointError(f"The checkpoint key {path} is shorter than 16 bytes; delete it to get a new one.")
+        raise CheckpointError(
+            f"The checkpoint key {path} is not 16 or more bytes in hex; delete it to get a new one (files signed "
+            "with it will then load safely only)."
+        )
     return key
 
 
