@@ -16,10 +16,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from smp_compat.cli.estimator import Estimator, ignored_warning, read_estimator
-from smp_compat.cli.hyperparameters import split_framework
+from smp_compat.cli.estimator import Estimator, ignored_warning
 from smp_compat.cli.job_options import JOB_VALUED, add_job_options, build_job
-from smp_compat.cli.sm_env import TrainingJob, node_position, prepare_job_dirs, rewrite_paths, training_environment
+from smp_compat.cli.run_job import ESTIMATOR_FLAG, job_environment, parse_argv, print_job, rewrite_notes
+from smp_compat.cli.sm_env import FRAMEWORK_ENV, TrainingJob, node_position, prepare_job_dirs
 from smp_compat.globalstate import BIND_ENV
 from smp_compat.config import ENV_VAR, SMPConfig, extract_mp_parameters, parse_json, resolve_config
 from smp_compat.errors import SMPConfigError
@@ -46,11 +46,8 @@ BIND_FLAG = "--bind-cores"
 TUNE_MALLOC_FLAG = "--tune-malloc"
 """Keep freed memory in each process's heap (exported as ``SMP_COMPAT_TUNE_MALLOC=1``; ``--no-tune-malloc``: ``0``)."""
 
-FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
-"""SageMaker's framework parameters; Hugging Face's Trainer needs ``sagemaker_mpi_enabled`` there for its SMP path."""
 
 _OWN_FLAGS = ("--dry-run", BIND_FLAG, TUNE_MALLOC_FLAG, "--no-" + TUNE_MALLOC_FLAG[2:])
-ESTIMATOR_FLAG = "--estimator"
 _OWN_VALUED = ("--config", TRUST_FLAG, ESTIMATOR_FLAG, *JOB_VALUED)
 _NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node")
 _NNODES_OPTIONS = ("--nnodes",)
@@ -339,30 +336,6 @@ def _check_script(ns: argparse.Namespace) -> None:
         )
 
 
-_PLACEHOLDER = "<the estimator's entry_point>"
-
-
-def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], Estimator | None]:
-    """The options, the command line with the script in place, and the estimator (``--estimator``) if any.
-
-    With ``--estimator`` the entry point is the script: the command line is parsed with a stand-in
-    for it, and a script given as well is an error.
-    """
-    parser = _run_parser()
-    if any(t == ESTIMATOR_FLAG or t.startswith(ESTIMATOR_FLAG + "=") for t in argv):
-        ns = parser.parse_args([*argv, _PLACEHOLDER])
-        if ns.estimator is not None:
-            if ns.training_script != _PLACEHOLDER or ns.training_script_args:
-                raise SMPConfigError(
-                    f"{ESTIMATOR_FLAG} names the training script (its entry_point), and a script was given too "
-                    f"({ns.training_script!r}). Remove the script from the command line, or drop {ESTIMATOR_FLAG}."
-                )
-            estimator = read_estimator(ns.estimator)
-            ns.training_script = str(estimator.entry_point)
-            return ns, [*argv, ns.training_script], estimator
-    return parser.parse_args(list(argv)), list(argv), None
-
-
 def _estimator_launch(ns: argparse.Namespace, estimator: Estimator | None, env: Mapping[str, str]) -> LaunchConfig:
     """--config, or the estimator's distribution (not both), or an inherited SM_HP_MP_PARAMETERS."""
     if estimator is None or estimator.distribution is None:
@@ -428,37 +401,10 @@ def _job(
     return build_job(ns, env, nnodes=count, node_rank=index, num_gpus=num_gpus(), entry_point=entry, estimator=estimator)
 
 
-def _job_environment(
-    job: TrainingJob, estimator: Estimator | None, env: Mapping[str, str], base: dict[str, str]
-) -> None:
-    """Add the SM_* variables, the sagemaker_* framework hyperparameters and the estimator's environment."""
-    base.update(training_environment(job, env))
-    framework = split_framework(job.hyperparameters)[1]
-    if framework:
-        base[FRAMEWORK_ENV] = json.dumps({**json.loads(base[FRAMEWORK_ENV]), **framework})
-    if estimator is None:
-        return
-    if estimator.dependencies:
-        base["PYTHONPATH"] = os.pathsep.join([*(str(d) for d in estimator.dependencies), base["PYTHONPATH"]])
-    for name, value in estimator.environment.items():
-        if name not in env:
-            base[name] = value
-
-
-def _rewrite_notes(job: TrainingJob) -> list[str]:
-    """One note per hyperparameter whose SageMaker path was replaced by the local one."""
-    notes = []
-    for key, value in sorted(job.script_hyperparameters.items()):
-        local = rewrite_paths(job, value)
-        if local != value:
-            notes.append(f"hyperparameter {key}: {value} -> {local}")
-    return notes
-
-
 def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Parse ``smp-compat run`` arguments and decide the torchrun command and its environment (no side effects)."""
     env = os.environ if environ is None else environ
-    ns, argv, estimator = _parse(argv)
+    ns, argv, estimator = parse_argv(_run_parser(), argv)
     options, script = _split_argv(argv, ns)
     _check_script(ns)
     options = _strip_own_options(options)
@@ -468,11 +414,11 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     if estimator is not None and (warning := ignored_warning(estimator)):
         notes.insert(0, warning)
     job = _job(ns, options, estimator, env)
-    notes += _rewrite_notes(job)
+    notes += rewrite_notes(job)
     script = [script[0], *job.script_args(), *script[1:]]
     command = [sys.executable, "-m", "torch.distributed.run", *options, *script]
     env_updates = launch_environment(launch, cfg, env)
-    _job_environment(job, estimator, env, env_updates)
+    job_environment(job, estimator, env, env_updates)
     if ns.bind_cores:
         env_updates[BIND_ENV] = "1"
     if ns.tune_malloc is not None:
@@ -559,28 +505,12 @@ def _print_dry_run(plan: LaunchPlan) -> None:
     if plan.launch.parameters is None:
         print("No launch config: the script's smp.init(...) dict decides (layout shown for the defaults).")
     if plan.job is not None:
-        _print_job(plan.job, plan.env_updates, plan.cwd)
+        print_job(plan.job, plan.env_updates, plan.cwd)
     print("Environment added for every process:")
     for name, value in sorted(plan.env_updates.items()):
         print(f"  {name}={value}")
     print("Command:")
     print("  " + shlex.join(plan.command))
-
-
-def _print_job(job: TrainingJob, env: Mapping[str, str], cwd: str | None) -> None:
-    """The SageMaker side: folders, channels, hosts, and the hyperparameters as the script will see them."""
-    print(f"SageMaker job {job.job_name!r} in {job.job_dir} (created at launch):")
-    print(f"  model {job.model_dir}, output {job.output_dir}")
-    print(f"  checkpoints (for /opt/ml/checkpoints) {job.checkpoint_dir}")
-    for name, path in sorted(job.channels.items()):
-        print(f"  channel {name}: {path}")
-    print(f"  host {job.hosts[job.node_rank]} of {json.dumps(job.hosts)} (node rank {job.node_rank})")
-    print(f"  script arguments from hyperparameters: {shlex.join(job.script_args()) or '(none)'}")
-    kept = sorted(k for k in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_CURRENT_HOST", "SM_HOSTS") if k not in env)
-    if kept:
-        print(f"  kept as exported: {', '.join(kept)}")
-    if cwd is not None:
-        print(f"  working directory: {cwd} (the entry point's source_dir, as on SageMaker)")
 
 
 # ---------------------------------------------------------------- the command

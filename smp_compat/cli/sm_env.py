@@ -27,6 +27,7 @@ from smp_compat.errors import SMPConfigError
 
 __all__ = [
     "DEFAULT_JOB_DIR",
+    "FRAMEWORK_ENV",
     "JOB_DIR_ENV",
     "LOCAL_HOSTS_ENV",
     "TrainingJob",
@@ -46,6 +47,9 @@ JOB_DIR_ENV = "SMP_COMPAT_JOB_DIR"
 
 LOCAL_HOSTS_ENV = "SMP_COMPAT_LOCAL_HOSTS"
 """Set to 1 when ``SM_HOSTS`` holds SageMaker-style names made up here (``algo-1``...), not network names."""
+
+FRAMEWORK_ENV = "SM_FRAMEWORK_PARAMS"
+"""SageMaker's framework parameters; Hugging Face's Trainer needs ``sagemaker_mpi_enabled`` there for its SMP path."""
 
 FRAMEWORK_MODULE = "sagemaker_pytorch_container.training:main"
 """``SM_FRAMEWORK_MODULE`` in SageMaker's PyTorch containers."""
