@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from smp_compat.cli.commands import main
 from smp_compat.cli.hyperparameters import env_value, to_cmd_args
@@ -94,7 +95,8 @@ def test_folders_and_channels_default_under_one_job_dir(data: dict[str, Path]) -
     assert env["SM_INPUT_CONFIG_DIR"] == str(job / "input" / "config")
     assert env["SM_CHANNEL_TRAIN"] == str(data["train"]) and env["SM_CHANNEL_TEST"] == str(data["test"])
     assert json.loads(env["SM_CHANNELS"]) == ["test", "train"]
-    assert env["SM_NUM_GPUS"] == "0" and int(env["SM_NUM_CPUS"]) >= 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert env["SM_NUM_GPUS"] == str(gpus) and int(env["SM_NUM_CPUS"]) >= 1
     assert env["SM_USER_ENTRY_POINT"] == "train.py" and env["SM_MODULE_NAME"] == "train"
     training = json.loads(env["SM_TRAINING_ENV"])
     assert training["channel_input_dirs"] == {"train": str(data["train"]), "test": str(data["test"])}

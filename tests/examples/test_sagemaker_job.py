@@ -69,7 +69,8 @@ def test_aws_shaped_script_runs_from_an_estimator_and_resumes_from_the_command_l
     full = _output(first)
     losses = {int(k): v for k, v in full["losses"].items()}
     assert sorted(losses) == list(range(STEPS))
-    assert full["seen"] == {"num_gpus": 0, "test_rows": 4, "model_options": "a=x,b=2", "use_distributed_transformer": 0,
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert full["seen"] == {"num_gpus": gpus, "test_rows": 4, "model_options": "a=x,b=2", "use_distributed_transformer": 0,
                             "checkpoint_dir": str(first / "checkpoints")}  # fmt: skip
     assert (first / "checkpoints" / "newest").read_text().split() == [f"total_steps{SAVE_AT}_partial"]
     assert (first / "model" / "fullmodel.pt").is_file()
