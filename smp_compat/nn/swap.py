@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ def swap_modules(root: nn.Module) -> nn.Module:
         return replaced
     before = {id(m) for m in root.modules()}
     _visit(root, "", counts)
+    if "transformers" in sys.modules:  # Hugging Face ties its head in init_weights, which scripts may skip
+        from smp_compat.nn.huggingface import tie_swapped_heads
+
+        tie_swapped_heads(root)
     if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
                     "Hugging Face GPT-2, GPT-Neo, GPT-J, GPT-NeoX, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
