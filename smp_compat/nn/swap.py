@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+from collections import Counter
 from typing import Any
 
 import torch
@@ -82,8 +83,25 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
         log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
         return None
     new.train(module.training)
+    _take_dtype(module, new)
     carry_partition(module, new, _layer_pairs(module, new))
     return new
+
+
+def _take_dtype(old: nn.Module, new: nn.Module) -> None:
+    """The new module's own floating parameters take the dtype of those of the module it replaces: the model
+    was built under ``smp.model_creation(dtype=...)``, whose default dtype was restored before the swap (on the
+    meta device under delayed initialization too; materializing keeps the dtype). Modules the new one reuses
+    (Hugging Face's embeddings) keep theirs; buffers (rotary tables, masks) are left as built, as Hugging Face
+    builds them in fp32 whatever the default dtype."""
+    dtypes = Counter(p.dtype for p in old.parameters() if p.is_floating_point())
+    if not dtypes:
+        return
+    dtype = dtypes.most_common(1)[0][0]
+    reused = {id(p) for p in old.parameters()}
+    for p in new.parameters():
+        if id(p) not in reused and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)  # in place: the object and its tensor-parallel markers stay
 
 
 def _layer_pairs(old: nn.Module, new: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
