@@ -105,3 +105,26 @@ def test_swapped_layers_take_the_model_creation_dtype(kind: str, key: str, tp: i
         for name, value in ref_params.items():  # one 16-bit ulp apart at most (the weights move by up to 2e-2)
             torch.testing.assert_close(r["params"][name].float(), value, rtol=1e-2, atol=1e-3,
                                        msg=lambda m: f"{name}: {m}")  # fmt: skip
+
+
+def _registered_blocks() -> dict[str, Any]:
+    """``tp_register`` swaps (the generic path, built from the recorded constructor arguments) too."""
+    import smp_compat as smp
+    from smp_compat.nn.huggingface import gpt2
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "bf16": True})
+    smp.tp_register_with_module(GPT2Block, smp.nn.DistributedTransformerLayer, *gpt2.get_hf_gpt2_transformer_layer_hooks())
+    with smp.model_creation(dtype=torch.bfloat16):
+        hf = _gpt2()
+    for block in hf.transformer.h:
+        smp.set_tensor_parallelism(block)
+    model = smp.DistributedModel(hf)
+    logits = model(**tm.padded_inputs(tm.batches(1)[0])).logits
+    kinds = {type(b).__name__ for b in model.get_module().transformer.h}
+    return {"dtypes": {str(p.dtype) for p in model.parameters()}, "kinds": kinds, "finite": bool(logits.isfinite().all())}
+
+
+def test_registered_block_swaps_take_the_model_creation_dtype_too() -> None:
+    for r in run_ranks(_registered_blocks, 2, timeout=120):
+        assert r["kinds"] == {"DistributedTransformerLayer"} and r["dtypes"] == {"torch.bfloat16"} and r["finite"]
