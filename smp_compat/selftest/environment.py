@@ -11,7 +11,6 @@ import importlib.metadata
 import os
 import socket
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,12 +61,6 @@ class Environment:
     @property
     def device_type(self) -> str:
         return self.ranks[0].device.split(":")[0]
-
-    @property
-    def shared_gpu(self) -> bool:
-        """Whether two ranks of one host compute on one GPU (NCCL then cannot be used between them)."""
-        per_host = Counter((i.host, i.device) for i in self.ranks if i.device.startswith("cuda"))
-        return any(count > 1 for count in per_host.values())
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -153,18 +153,17 @@ def _progress(index: int, total: int, row: CheckReport) -> None:
 # ---------------------------------------------------------------- every rank
 
 
-def _watch_abort(store: Any, rank: int) -> None:
+def _watch_abort(store: Any, rank: int, done: threading.Event) -> None:
     """Other ranks: end this process when rank 0 ended the job (its main thread may be blocked in a collective)."""
-    while True:
-        time.sleep(4 * _POLL_SECONDS)
+    while not done.wait(4 * _POLL_SECONDS):
         try:
-            if store.check([_key("abort")]):
-                break
+            if not store.check([_key("abort")]):
+                continue
         except Exception:  # noqa: BLE001 - the store went away with rank 0: the job is over
-            break
-    print(f"smp-compat selftest: stopping rank {rank}: the selftest failed (rank 0 has the report)", file=sys.stderr,
-          flush=True)  # fmt: skip
-    os._exit(1)
+            pass
+        print(f"smp-compat selftest: stopping rank {rank}: the selftest failed (rank 0 has the report)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(1)
 
 
 def _wait_go(store: Any, index: int) -> None:
@@ -192,8 +191,10 @@ def run_battery(ctx: Context, checks: list[Check], json_path: str | None, timeou
         collector = _Collector(store, ctx, checks, json_path, timeout)
         signal.signal(signal.SIGTERM, _keep_running_on_sigterm(collector))
         collector.thread.start()
-    else:
-        threading.Thread(target=_watch_abort, args=(store, ctx.rank), name="smp-selftest-abort", daemon=True).start()
+    done = threading.Event()
+    watch = threading.Thread(target=_watch_abort, args=(store, ctx.rank, done), name="smp-selftest-abort", daemon=True)
+    if collector is None:
+        watch.start()
     for index, check in enumerate(checks):
         outcome = run_one(check, ctx)
         store.set(_key(index, ctx.rank), outcome.to_text())
@@ -201,6 +202,8 @@ def run_battery(ctx: Context, checks: list[Check], json_path: str | None, timeou
             store.add(_key(index, "failed"), 1)
         _wait_go(store, index)
     if collector is None:
+        done.set()  # joined: a thread still inside a store call when the interpreter exits aborts the process
+        watch.join()
         return 0
     collector.thread.join()
     return collector.finish()

@@ -40,9 +40,7 @@ def _user_config() -> dict[str, Any] | None:
     text = os.environ.pop(ENV_VAR, "")
     if not text.strip():
         return None
-    params = extract_mp_parameters(parse_json(text, ENV_VAR))
-    params.pop("partitions", None)  # added by the launcher for Hugging Face; pipeline_parallel_degree says it
-    return params
+    return extract_mp_parameters(parse_json(text, ENV_VAR))
 
 
 def _checkpoint_root(option: str | None, hosts: int) -> str:
@@ -72,11 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     release_process_group()
     smp.reset()
     ctx = Context(smp, env, faults, user, _checkpoint_root(ns.checkpoint_dir, len(env.hosts)), [])
+    _warm_up(ctx)
     from smp_compat.selftest.runner import run_battery
 
     code = run_battery(ctx, checks, ns.json, ns.check_timeout)
     _finish(ctx)
     return code
+
+
+def _warm_up(ctx: Context) -> None:
+    """One step of plain training first: the first optimizer step and backward pass load code (torch._dynamo
+    among it) for seconds, which would otherwise count as the first check's time."""
+    from smp_compat.selftest.models import mlp_recipe
+    from smp_compat.selftest.training import reference_run
+
+    reference_run(mlp_recipe(), 2, ctx.device)
 
 
 def _finish(ctx: Context) -> None:

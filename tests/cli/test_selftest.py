@@ -133,3 +133,22 @@ def test_unknown_check_is_refused_before_launching(capsys: pytest.CaptureFixture
 
     assert main(["selftest", "--checks", "dp,nope", "--nproc-per-node", "2"]) == 2
     assert "unknown check(s) nope" in capsys.readouterr().err
+
+
+def test_docs_tell_users_to_run_it_first_and_describe_every_field_of_the_report() -> None:
+    from dataclasses import fields
+
+    from smp_compat.selftest.environment import Environment, RankInfo
+    from smp_compat.selftest.report import CheckReport
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    porting = readme[readme.index("## Porting an SMP script") :]
+    assert "smp-compat selftest" in porting[: porting.index("\n## ", 5)]
+    page = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    section = page[page.index("## `smp-compat selftest`") : page.index("## Hangs and stopped jobs")]
+    for cls in (CheckReport, Environment, RankInfo):
+        for f in fields(cls):
+            assert f"`{f.name}`" in section, f"docs/troubleshooting.md does not describe {cls.__name__}.{f.name}"
+    for check in [*CHECKS, "user-config"]:
+        name = getattr(check, "name", check)
+        assert f"`{name}`" in section, name
