@@ -28,8 +28,8 @@ from smp_compat.topology import Topology
 if TYPE_CHECKING:
     from smp_compat.model import DistributedModel
 
-__all__ = ["state", "init", "is_initialized", "reset", "release_process_group", "shutdown", "AXES_WITH_GROUPS", "BIND_ENV", "bind_from_environment",
-           "core_share", "tune_from_environment"]
+__all__ = ["state", "init", "is_initialized", "reset", "shutdown", "AXES_WITH_GROUPS", "BIND_ENV", "bind_from_environment",
+           "core_share", "release_process_group", "tune_from_environment"]
 
 log = logging.getLogger("smp_compat")
 

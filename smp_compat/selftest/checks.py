@@ -162,7 +162,7 @@ def _pipeline(pipeline: str, microbatches: int) -> Callable[[Context, Injector],
 def spread_pipeline(ctx: Context, inj: Injector) -> Result:
     if ctx.env.world_size % 4:
         raise Skipped("a pipeline on non-neighbouring ranks needs pp = 2 × dp = 2 (a multiple of 4 ranks); with "
-                      f"{ctx.env.world_size} every placement puts a pipeline's stages on neighbouring ranks")  # fmt: skip
+                      f"{ctx.env.world_size} every placement puts a pipeline's stages side by side")
     config = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "placement_strategy": "spread"}
     return train_and_compare(ctx, inj, config, mlp_recipe(), ctx.fp32)
 

@@ -144,7 +144,8 @@ def print_table(rows: list[CheckReport], seconds: float) -> None:
     table = Table(title="smp-compat selftest", box=box.SIMPLE)
     for column, justify in (("check", "left"), ("layout", "left"), ("result", "left"), ("worst diff", "right"),
                             ("rtol/atol", "right"), ("time", "right"), ("details", "left")):  # fmt: skip
-        table.add_column(column, justify=justify, overflow="fold", no_wrap=column != "details")  # type: ignore[arg-type]
+        wrap = column == "details"
+        table.add_column(column, justify=justify, overflow="fold", no_wrap=not wrap)  # type: ignore[arg-type]
     for row in rows:
         time_text = f"{row.seconds:.1f} s" if row.seconds is not None else "-"
         details = "" if row.status == "PASS" else row.reason or ""  # what each check does: --list, the JSON

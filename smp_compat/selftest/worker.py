@@ -26,7 +26,7 @@ _LAUNCH_KEYS = ("ddp_dist_backend", "ddp_port")
 def add_options(parser: argparse.ArgumentParser) -> None:
     """The selftest's own options (``smp-compat selftest`` passes them on to every rank)."""
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH (on rank 0's host)")
-    parser.add_argument("--checks", metavar="NAME,...", help="run only these checks (comma-separated; --list shows them)")
+    parser.add_argument("--checks", metavar="NAME,...", help="run only these (comma-separated; --list shows them)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="where the checkpoint check saves (every host must see it; default: the temporary "
                         "directory on one host, the current directory on several)")  # fmt: skip
