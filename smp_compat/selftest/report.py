@@ -69,11 +69,14 @@ _FIRST = ("error", "missing", "mismatch", "echo")  # which failing rank is named
 
 
 def merge(name: str, about: str, outcomes: dict[int, Outcome], world: int, waited: float) -> CheckReport:
-    """Every rank's outcome as one row; a rank that gave none within the wait is a failure too (it died or hangs)."""
+    """Every rank's outcome as one row; a rank that gave none within the wait is a failure too (it died or hangs).
+
+    The check's time is ``waited``: from the moment every rank was let start it until the last outcome (or the
+    end of the wait), so the times add up to the battery's."""
     missing = [r for r in range(world) if r not in outcomes]
     failed = {r: o for r, o in outcomes.items() if o.status == "FAIL"}
     done = list(outcomes.values())
-    seconds = max((o.seconds for o in done), default=None)
+    seconds = waited
     worst = max((o.worst for o in done if o.worst is not None), default=None)
     first = done[0] if done else None
     common = {"seconds": seconds, "worst_difference": worst, "layout": first.layout if first else None,
