@@ -190,7 +190,7 @@ def run_battery(ctx: Context, checks: list[Check], json_path: str | None, timeou
         print_environment(ctx.env)
         sys.stdout.flush()
         collector = _Collector(store, ctx, checks, json_path, timeout)
-        signal.signal(signal.SIGTERM, _keep_running_on_sigterm(collector))
+        previous = signal.signal(signal.SIGTERM, _keep_running_on_sigterm(collector))
         collector.thread.start()
     done = threading.Event()
     watch = threading.Thread(target=_watch_abort, args=(store, ctx.rank, done), name="smp-selftest-abort", daemon=True)
@@ -207,4 +207,5 @@ def run_battery(ctx: Context, checks: list[Check], json_path: str | None, timeou
         watch.join()
         return 0
     collector.thread.join()
+    signal.signal(signal.SIGTERM, previous)
     return collector.finish()
