@@ -70,6 +70,15 @@ class Result:
     measured: Measured
     tolerance: Tolerance
     layout: str
+    links: str | None = None  # how this rank's pipeline messages travelled
+
+
+def _links(model: Any) -> str | None:
+    """``"rank 1: shared memory"``: the channel each pipeline peer of this rank used (None without a pipeline)."""
+    engine = getattr(model, "pipeline_engine", None)
+    if engine is None:
+        return None
+    return ", ".join(f"rank {peer}: {kind}" for peer, kind in sorted(engine.transport.links().items()))
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,7 @@ def train_and_compare(ctx: Context, inj: Injector, config: dict[str, Any], recip
         tracker.step(step, loss, compared_params(smp, model, whole, rename))
 
     smp_run(smp, recipe, model, opt, batch, inj, observe, cast=cast, scaler=grad_scaler)
-    return Result(tracker.result(), tol, _layout(smp))
+    return Result(tracker.result(), tol, _layout(smp), _links(model))
 
 
 def _need_even(ctx: Context, what: str) -> None:
@@ -174,8 +183,9 @@ def tensor_parallel(ctx: Context, inj: Injector) -> Result:
 
 def tensor_parallel_hf(ctx: Context, inj: Injector) -> Result:
     _need_even(ctx, "tensor parallelism (tp = 2)")
-    if ctx.env.versions.get("transformers") is None:
-        raise Skipped("transformers is not installed")
+    lacking = [i.rank for i in ctx.env.ranks if i.versions.get("transformers") is None]
+    if lacking:
+        raise Skipped(f"transformers is not installed (ranks {lacking})")
     from smp_compat.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 
     return train_and_compare(ctx, inj, {"tensor_parallel_degree": 2, "ddp": True}, gpt2_recipe(), ctx.fp32,
@@ -195,7 +205,7 @@ def _sixteen_bit(key: str) -> Callable[[Context, Injector], Result]:
 
     def check(ctx: Context, inj: Injector) -> Result:
         if key == "bf16" and not ctx.env.bf16_on_device:
-            raise Skipped("this GPU has no bf16")
+            raise Skipped("a GPU of this job has no bf16")
         return train_and_compare(ctx, inj, _pp2(ctx, **{key: True}), mlp_recipe(), tol, dtype=dtype)
 
     return check
@@ -258,7 +268,7 @@ def checkpoint_resume(ctx: Context, inj: Injector) -> Result:
     measured = tracker.result()
     if user != {"step": 2} and measured.problem is None:
         measured = Measured(measured.worst, f"resume_from_checkpoint returned {user!r}, saved {{'step': 2}}", 3.0)
-    return Result(measured, ctx.fp32, _layout(smp))
+    return Result(measured, ctx.fp32, _layout(smp), _links(model))
 
 
 def _seeded(recipe: Recipe, seed: int) -> torch.nn.Module:

@@ -34,11 +34,14 @@ class RankInfo:
     device_name: str
     gpus: int
     nccl_env: dict[str, str]
+    versions: dict[str, str | None]
+    bf16: bool
 
 
 @dataclass(frozen=True)
 class Environment:
-    """The whole job, the same on every rank (built from every rank's ``RankInfo``)."""
+    """The whole job, the same on every rank (built from every rank's ``RankInfo``): every skip is decided from
+    it, so every rank skips the same checks (a rank that ran a check alone would wait for the others forever)."""
 
     versions: dict[str, str | None]
     world_size: int
@@ -99,8 +102,9 @@ def _this_rank(smp: Any) -> RankInfo:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nccl_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+    bf16 = device.type == "cpu" or torch.cuda.is_bf16_supported()
     return RankInfo(smp.rank(), socket.gethostname(), smp.local_rank(), smp.local_size(), str(device), name, gpus,
-                    nccl_env)  # fmt: skip
+                    nccl_env, _versions(), bf16)  # fmt: skip
 
 
 def _backend_reason(smp: Any, ranks: list[RankInfo]) -> str:
@@ -152,9 +156,10 @@ def collect(smp: Any) -> Environment:
     else:
         ranks = [mine]
     backend = smp.state.backend
-    bf16 = smp.state.device.type == "cpu" or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     notes = []
     if len({tuple(sorted(i.nccl_env.items())) for i in ranks}) > 1:
         notes.append("ranks differ in their NCCL_* variables (see the JSON report)")
-    return Environment(_versions(), smp.size(), backend, _backend_reason(smp, ranks), _pipeline_links(backend),
-                       _shim(), ranks, bf16, notes)  # fmt: skip
+    if any(i.versions != ranks[0].versions for i in ranks):
+        notes.append("ranks differ in package versions (see the JSON report): rank 0's are shown")
+    return Environment(ranks[0].versions, smp.size(), backend, _backend_reason(smp, ranks), _pipeline_links(backend),
+                       _shim(), ranks, all(i.bf16 for i in ranks), notes)  # fmt: skip

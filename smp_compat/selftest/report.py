@@ -3,7 +3,8 @@
 JSON schema (``schema`` 1), documented in docs/troubleshooting.md: ``status`` ("pass"/"fail"), ``seconds``,
 ``environment`` (environment.Environment), ``checks``: one object per check with ``name``, ``about``,
 ``status`` (PASS/FAIL/SKIP), ``layout``, ``worst_difference``, ``rtol``, ``atol``, ``seconds``, ``reason``
-(why it failed or was skipped), ``failed_ranks`` and ``first_failure`` ({``rank``, ``error``} or null).
+(why it failed or was skipped), ``failed_ranks``, ``first_failure`` ({``rank``, ``error``} or null) and
+``pipeline_links`` (per rank, how its pipeline messages travelled, or null).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Outcome:
     detail: str | None = None
     kind: str | None = None
     diverged_at: float | None = None
+    links: str | None = None
 
     def to_text(self) -> str:
         return json.dumps(asdict(self))
@@ -63,6 +65,7 @@ class CheckReport:
     reason: str | None = None
     failed_ranks: list[int] = field(default_factory=list)
     first_failure: dict[str, Any] | None = None
+    pipeline_links: dict[str, str] | None = None
 
 
 _FIRST = ("error", "missing", "mismatch", "echo")  # which failing rank is named first: its own error wins
@@ -79,8 +82,10 @@ def merge(name: str, about: str, outcomes: dict[int, Outcome], world: int, waite
     seconds = waited
     worst = max((o.worst for o in done if o.worst is not None), default=None)
     first = done[0] if done else None
+    links = {str(r): o.links for r, o in sorted(outcomes.items()) if o.links}
     common = {"seconds": seconds, "worst_difference": worst, "layout": first.layout if first else None,
-              "rtol": first.rtol if first else None, "atol": first.atol if first else None}  # fmt: skip
+              "rtol": first.rtol if first else None, "atol": first.atol if first else None,
+              "pipeline_links": links or None}  # fmt: skip
     if not failed and not missing:
         skipped = [o for o in done if o.status == "SKIP"]
         if skipped:
@@ -142,6 +147,14 @@ def _tolerance(row: CheckReport) -> str:
     return "-" if row.rtol is None else f"{row.rtol:g}/{row.atol:g}"
 
 
+def _link_kinds(row: CheckReport) -> str:
+    """``pipeline: shared memory``: the ways pipeline messages travelled in this check, over all ranks."""
+    if not row.pipeline_links:
+        return ""
+    kinds = sorted({part.split(": ", 1)[1] for text in row.pipeline_links.values() for part in text.split(", ")})
+    return "pipeline: " + ", ".join(kinds)
+
+
 def print_table(rows: list[CheckReport], seconds: float) -> None:
     """PASS / FAIL / SKIP per check with the worst difference, the time and why (rank 0 prints it)."""
     table = Table(title="smp-compat selftest", box=box.SIMPLE)
@@ -151,7 +164,7 @@ def print_table(rows: list[CheckReport], seconds: float) -> None:
         table.add_column(column, justify=justify, overflow="fold", no_wrap=not wrap)  # type: ignore[arg-type]
     for row in rows:
         time_text = f"{row.seconds:.1f} s" if row.seconds is not None else "-"
-        details = "" if row.status == "PASS" else row.reason or ""  # what each check does: --list, the JSON
+        details = _link_kinds(row) if row.status == "PASS" else row.reason or ""  # what each check does: --list
         table.add_row(row.name, row.layout or "-", row.status, _difference(row), _tolerance(row), time_text, details)
     console = _console()
     console.print(table)

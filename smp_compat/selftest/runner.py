@@ -66,7 +66,8 @@ def run_one(check: Check, ctx: Context) -> Outcome:
     measured, tol = result.measured, result.tolerance
     status = "PASS" if measured.problem is None else "FAIL"
     return Outcome(rank, status, time.perf_counter() - start, measured.worst, tol.rtol, tol.atol, result.layout,
-                   measured.problem, None if status == "PASS" else "mismatch", measured.diverged_at)  # fmt: skip
+                   measured.problem, None if status == "PASS" else "mismatch", measured.diverged_at,
+                   result.links)  # fmt: skip
 
 
 def _kind(exc: BaseException) -> str:

@@ -55,6 +55,7 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert "neighbouring ranks" in checks["pp2-spread"]["reason"]
     assert all(c["status"] == "PASS" for n, c in checks.items() if n != "pp2-spread"), output[-6000:]
     assert checks["user-config"]["layout"] == "pp2" and checks["pp2-simple"]["worst_difference"] < 1e-5
+    assert checks["pp2-simple"]["pipeline_links"] == {"0": "rank 1: shared memory", "1": "rank 0: shared memory"}
     env = report["environment"]
     assert report["schema"] == 1 and report["status"] == "pass" and env["world_size"] == 2
     assert env["backend"] == "gloo" and "no GPU" in env["backend_reason"] and len(env["hosts"]) == 1
