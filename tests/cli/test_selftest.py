@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML: the forked ranks below must find CUDA unused
+import torch  # noqa: E402
+
 from launching import ROOT, clean_env, free_port, smp_compat_command
 from smp_compat.selftest.checks import CHECKS
 from smp_compat.selftest.faults import FAULT_ENV
@@ -89,6 +92,18 @@ def test_a_rank_that_dies_is_named_and_the_job_ends_at_once(tmp_path: Path) -> N
     assert seconds < TIMEOUT_S / 2, seconds
     assert checks["pp2-interleaved"]["status"] == "SKIP" and "not run" in checks["pp2-interleaved"]["reason"]
     assert report["status"] == "fail" and "rank 1: gave no result" in output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_on_a_gpu_nothing_fails(tmp_path: Path, nproc: int) -> None:
+    """One process per GPU talks NCCL; more processes than GPUs share them over gloo (sdp2 then skips)."""
+    code, output, report, _ = _selftest(tmp_path, nproc)
+    assert code == 0, output[-6000:]
+    env = report["environment"]
+    assert all(r["device"].startswith("cuda") for r in env["ranks"])
+    assert env["backend"] == ("nccl" if nproc <= torch.cuda.device_count() else "gloo")
+    assert not [c for c in report["checks"] if c["status"] == "FAIL"]
 
 
 # ---------------------------------------------------------------- faults that leave the job running: forked ranks
