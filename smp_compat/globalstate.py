@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from smp_compat.model import DistributedModel
 
 __all__ = ["state", "init", "is_initialized", "reset", "shutdown", "AXES_WITH_GROUPS", "BIND_ENV", "bind_from_environment",
-           "core_share", "tune_from_environment"]
+           "core_share", "release_process_group", "tune_from_environment"]
 
 log = logging.getLogger("smp_compat")
 
@@ -235,6 +235,15 @@ def reset() -> None:
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     state.__init__()  # type: ignore[misc]
+
+
+def release_process_group() -> None:
+    """Let the next ``reset`` leave the default process group up; the caller destroys it.
+
+    ``smp-compat selftest`` makes the group through ``smp.init`` (so it is the group the user's job would
+    get: same launcher, backend and device), then re-initializes smp once per check in that one job.
+    """
+    state.owns_process_group = False
 
 
 def shutdown() -> None:

@@ -1,6 +1,8 @@
-"""The ``smp-compat`` command: one module per sub-command (run, env, check, plan, timeline, checkpoint).
+"""The ``smp-compat`` command: one module per sub-command (run, env, check, plan, timeline, checkpoint; selftest
+lives in its own package, ``smp_compat.selftest``).
 
-The top layer: modules here may import anything in smp_compat, and nothing in smp_compat imports them.
+The top layer: modules here may import anything in smp_compat, and nothing in smp_compat imports them but
+``smp_compat.selftest``, the other top layer (its command launches itself through ``run``).
 ``support.py`` (the registry of what is supported, behind ``check`` and docs/api_support.md) lives here too.
 """
 

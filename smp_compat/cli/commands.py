@@ -13,6 +13,7 @@ from smp_compat.cli.env import env_command
 from smp_compat.cli.plan import plan_command
 from smp_compat.cli.run import run_command
 from smp_compat.cli.timeline import timeline_command
+from smp_compat.selftest.launching import selftest_command
 from smp_compat.errors import SMPError
 
 __all__ = ["COMMANDS", "Command", "main"]
@@ -40,6 +41,8 @@ COMMANDS: dict[str, Command] = {
                         timeline_command),
     "checkpoint": Command("inspect, merge or split SMP / smp_compat checkpoints (info, merge, split)",
                           checkpoint_command),
+    "selftest": Command("check that smp_compat trains correctly on this machine or cluster (run it first)",
+                        selftest_command),
 }  # fmt: skip
 """Sub-commands by name, each in its own module of this package."""
 

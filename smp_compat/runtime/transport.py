@@ -107,6 +107,12 @@ class Transport:
             if isinstance(out.channel, LocalLink):
                 out.channel.on_stall = self._take_in_links
 
+    def links(self) -> dict[int, str]:
+        """How each peer's messages travel: "shared memory", or the backend of its process group (for reports:
+        ``smp-compat selftest``)."""
+        return {peer: "shared memory" if isinstance(out.channel, LocalLink) else dist.get_backend(out.channel.group)
+                for peer, out in self._outgoing.items()}  # fmt: skip
+
     def send(self, dst: int, kind: str, meta: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
         """Pack and start sending a message to ``dst``; returns without waiting for the transfer."""
         start = timeline.now()
