@@ -9,6 +9,7 @@ is compared with the 16-bit oracle (tests/oracle16.py): losses every step, the f
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import tp_models as tm
 from models import causal_mask, lm_loss, make_batches, make_model
 from smp_compat import nn as smp_nn
 from smp_compat.precision.fp16 import LossScaler
+from smp_compat.sdp.checkpoint import merge_sharded
 from smp_compat.testing import run_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,3 +159,37 @@ def test_bf16_model_under_tp2_sdp2_trains_as_the_16bit_oracle() -> None:
     oracle = _tp_oracle("bf16", tm.STEPS)
     for result in results:
         _check_against_oracle(result, oracle, torch.bfloat16)
+
+
+def _bf16_job(directory: str, resume: bool) -> dict[str, Any]:
+    import smp_compat as smp
+    from smp_compat.sdp.state_dicts import full_model_state_dict
+
+    torch.set_num_threads(1)
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "bf16": True})
+    with smp.model_creation(dtype=torch.bfloat16):
+        net = make_model()
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(_adamw(LR)(model.parameters()))
+    if resume:
+        smp.resume_from_checkpoint(directory, tag="bf16", partial=True)
+    else:
+        train(smp, model, opt, steps=2)
+        smp.save_checkpoint(directory, "bf16", partial=True, model=model, optimizer=opt)
+        smp.save_checkpoint(directory, "full.pt", partial=False, model=model)
+    losses, _ = train(smp, model, opt, steps=2, start=2)
+    return {"losses": losses, "masters": full_model_state_dict(model)}
+
+
+def test_bf16_checkpoints_keep_fp32_masters_in_shards_and_save_the_16bit_model_in_full(tmp_path: Path) -> None:
+    """The sharded checkpoint holds the fp32 masters (a bitwise resume); the full one the bf16 model, as SMP's."""
+    uninterrupted = run_ranks(_bf16_job, 2, str(tmp_path), False, timeout=120)
+    resumed = run_ranks(_bf16_job, 2, str(tmp_path), True, timeout=120)
+    for a, b in zip(uninterrupted, resumed):
+        assert a["losses"] == b["losses"]
+        for name, value in a["masters"].items():
+            assert value.dtype == torch.float32 and torch.equal(b["masters"][name], value), name
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert {v.dtype for k, v in full.items() if isinstance(v, torch.Tensor) and v.is_floating_point()} == {torch.bfloat16}
+    merged, _ = merge_sharded(tmp_path / "bf16_partial")
+    assert {v.dtype for v in merged.values() if v.is_floating_point()} == {torch.float32}
