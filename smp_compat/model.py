@@ -179,8 +179,8 @@ class DistributedModel(TensorParallelQueries, nn.Module):
     # ------------------------------------------------------------------ sharded data parallelism
     def _shard(self) -> None:
         """sdp > 1: shard now (scripts build parameter groups right after wrapping), as SMP did."""
-        from smp_compat.sdp.state_dicts import attach_ds_views
         from smp_compat.sdp.masters import built_dtypes, sixteen_bit_training
+        from smp_compat.sdp.state_dicts import attach_ds_views
         from smp_compat.sdp.wrap import shard_module
 
         self._sdp_built_dtypes = built_dtypes(self.module) if sixteen_bit_training() else {}

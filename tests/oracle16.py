@@ -23,7 +23,9 @@ from smp_compat.precision.fp16 import LossScaler
 __all__ = ["Oracle16", "build_16bit", "train_16bit", "TOLERANCE"]
 
 # (rtol, atol): two units in the last place of a 16-bit weight (docs/differences.md, "Combination-matrix tolerances")
-TOLERANCE = {dtype: (2 * torch.finfo(dtype).eps, torch.finfo(dtype).eps / 4) for dtype in (torch.float16, torch.bfloat16)}
+TOLERANCE = {
+    dtype: (2 * torch.finfo(dtype).eps, torch.finfo(dtype).eps / 4) for dtype in (torch.float16, torch.bfloat16)
+}
 
 
 @dataclass

@@ -190,6 +190,6 @@ def test_bf16_checkpoints_keep_fp32_masters_in_shards_and_save_the_16bit_model_i
         for name, value in a["masters"].items():
             assert value.dtype == torch.float32 and torch.equal(b["masters"][name], value), name
     full = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert {v.dtype for k, v in full.items() if isinstance(v, torch.Tensor) and v.is_floating_point()} == {torch.bfloat16}
+    assert {v.dtype for v in full.values() if isinstance(v, torch.Tensor) and v.is_floating_point()} == {torch.bfloat16}
     merged, _ = merge_sharded(tmp_path / "bf16_partial")
     assert {v.dtype for v in merged.values() if v.is_floating_point()} == {torch.float32}
