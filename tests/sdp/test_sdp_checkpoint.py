@@ -161,6 +161,8 @@ def _with_unused_parameter(directory: str, resume: bool) -> dict:
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     if resume:
         smp.resume_from_checkpoint(directory, tag="stateless", partial=True)
+        opt.load_state_dict(opt.state_dict())  # the full and the sharded optimizer state dicts load such state too
+        opt.load_state_dict(opt.local_state_dict())
     else:
         train(smp, model, opt, steps=SPLIT)
         smp.save_checkpoint(directory, "stateless", partial=True, model=model, optimizer=opt)
