@@ -35,6 +35,7 @@ __all__ = [
     "is_partial",
     "strip_markers",
     "strip_wrapper_prefix",
+    "translate_full",
     "merge_model_parts",
     "model_state_dict",
     "model_local_state_dict",
@@ -307,14 +308,22 @@ def load_model_state(
 
 
 def _prepare_full(model: Any, sd: Mapping[str, Any], translate: Callable[..., Any] | None) -> Mapping[str, Any]:
-    if translate is None and PARTIAL_KEY not in sd:  # a swapped HF model takes HF checkpoints as they are
-        from smp_compat.nn.huggingface import from_hf_translator
-
-        translate = from_hf_translator(model.module, sd)
-    if translate is not None and PARTIAL_KEY not in sd:
-        sd = translate(sd)
+    if PARTIAL_KEY not in sd:
+        sd = translate_full(model.module, sd, translate)
     sd = strip_markers(sd)
     return strip_wrapper_prefix(sd, model.module.state_dict(keep_vars=True).keys())
+
+
+def translate_full(
+    module: nn.Module, sd: Mapping[str, Any], translate: Callable[..., Any] | None
+) -> Mapping[str, Any]:
+    """A full dict through ``translate``; without one, through the translation a swapped Hugging Face model needs
+    when ``sd`` has Hugging Face's names (SMP: "for supported models, translate_function is not required")."""
+    if translate is None:
+        from smp_compat.nn.huggingface import from_hf_translator
+
+        translate = from_hf_translator(module, sd)
+    return sd if translate is None else translate(sd)
 
 
 def _check_names(model: Any, sd: Mapping[str, Any], strict: bool) -> _IncompatibleKeys:

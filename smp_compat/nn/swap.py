@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
+from collections import Counter
 from typing import Any
 
 import torch
@@ -36,6 +38,10 @@ def swap_modules(root: nn.Module) -> nn.Module:
         return replaced
     before = {id(m) for m in root.modules()}
     _visit(root, "", counts)
+    if "transformers" in sys.modules:  # Hugging Face ties its head in init_weights, which scripts may skip
+        from smp_compat.nn.huggingface import tie_swapped_heads
+
+        tie_swapped_heads(root)
     if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
                     "Hugging Face GPT-2, GPT-Neo, GPT-J, GPT-NeoX, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
@@ -77,8 +83,25 @@ def _maybe_replace(module: nn.Module, path: str, counts: dict[int, int]) -> nn.M
         log.warning("smp_compat: %s left unswapped for tensor parallelism: %s", where, exc)
         return None
     new.train(module.training)
+    _take_dtype(module, new)
     carry_partition(module, new, _layer_pairs(module, new))
     return new
+
+
+def _take_dtype(old: nn.Module, new: nn.Module) -> None:
+    """The new module's own floating parameters take the dtype of those of the module it replaces: the model
+    was built under ``smp.model_creation(dtype=...)``, whose default dtype was restored before the swap (on the
+    meta device under delayed initialization too; materializing keeps the dtype). Modules the new one reuses
+    (Hugging Face's embeddings) keep theirs; buffers (rotary tables, masks) are left as built, as Hugging Face
+    builds them in fp32 whatever the default dtype."""
+    dtypes = Counter(p.dtype for p in old.parameters() if p.is_floating_point())
+    if not dtypes:
+        return
+    dtype = dtypes.most_common(1)[0][0]
+    reused = {id(p) for p in old.parameters()}
+    for p in new.parameters():
+        if id(p) not in reused and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)  # in place: the object and its tensor-parallel markers stay
 
 
 def _layer_pairs(old: nn.Module, new: nn.Module) -> list[tuple[nn.Module, nn.Module]]:

@@ -74,13 +74,16 @@ def load_model_state_dict(
     model: Any, state_dict: Mapping[str, Any], strict: bool = True,
     translate_function: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> Any:
-    """Load a full dict (plain tensors, e.g. a plain PyTorch or HF checkpoint) or a sharded one."""
+    """Load a full dict (plain tensors, e.g. a plain PyTorch or HF checkpoint) or a sharded one; a full one with
+    Hugging Face's names is translated into a swapped model, as without sharding."""
     sd: Mapping[str, Any] = common.strip_markers(state_dict)
-    if translate_function is not None:
+    full = not _is_sharded(sd)
+    if full:
+        sd = common.translate_full(model.module, sd, translate_function)
+    elif translate_function is not None:
         sd = translate_function(sd)
     expected = list(model.module.state_dict().keys())
     sd = dict(common.strip_wrapper_prefix(sd, expected))
-    full = not _is_sharded(sd)
     if full and tp_size() > 1:  # whole tensors are cut to this tp rank's slices first
         from smp_compat.nn.state import slice_for_rank
 

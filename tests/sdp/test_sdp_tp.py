@@ -126,8 +126,7 @@ def _fidelity(kind: str, prescaled: bool, plain: bool, directory: str) -> dict[s
 
         smp.save_checkpoint(directory, "full.pt", partial=False, model=model)  # HF's own layout (translate_if_full)
         _train(smp, kind, model, opt, 1, start=tm.STEPS)  # move away, then resume the HF-format file (AWS's flow)
-        smp.resume_from_checkpoint(directory, tag="full.pt", partial=False,
-                                   translate_function=gpt2.translate_hf_state_dict_to_smdistributed_gpt2)  # fmt: skip
+        smp.resume_from_checkpoint(directory, tag="full.pt", partial=False)  # HF's names: translated, as at sdp 1
         reloaded = all(torch.equal(v, full[k]) for k, v in model.state_dict().items())
         full = gpt2.translate_state_dict_to_hf_gpt2(full)
     return {"losses": losses, "params": full, "sizes": sizes, "norms": norms, "reloaded": reloaded,
@@ -156,7 +155,7 @@ def test_tp2_sdp2_matches_plain_pytorch(kind: str, prescaled: bool, plain: bool,
         assert r["n_dist"] > 0 and sizes["whole"] > full_elements / 2  # most of the model is tp-sharded
         assert sizes["params"] * TP * SDP == sizes["whole"]
         assert sizes["optimizer"] == 2 * sizes["params"]
-        assert r["reloaded"]  # gpt2: resume_from_checkpoint(partial=False, translate_function=...) restored it
+        assert r["reloaded"]  # gpt2: resume_from_checkpoint(partial=False) of the HF-format file restored it
     if kind == "gpt2":  # save_checkpoint(partial=False): whole tensors, in a form stock HF GPT-2 loads (strict)
         stock = _gpt2()
         stock.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=True), strict=True)
