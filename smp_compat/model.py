@@ -87,6 +87,7 @@ class DistributedModel(TensorParallelQueries, nn.Module):
         self._partition_actions: list[Callable[[DistributedModel], None]] = []
         self.pipeline_engine: Any = None
         self._sdp_units: list[nn.Module] | None = None
+        self._sdp_built_dtypes: dict[str, torch.dtype] = {}  # 16-bit parameters upcast to fp32 masters
         self._sdp_all_reduce = True  # FSDP2's default
         self._plain_forward = False  # a training forward outside @smp.step: optimizer.step() reduces gradients
         state.model = self
@@ -178,9 +179,11 @@ class DistributedModel(TensorParallelQueries, nn.Module):
     # ------------------------------------------------------------------ sharded data parallelism
     def _shard(self) -> None:
         """sdp > 1: shard now (scripts build parameter groups right after wrapping), as SMP did."""
+        from smp_compat.sdp.masters import built_dtypes, sixteen_bit_training
         from smp_compat.sdp.state_dicts import attach_ds_views
         from smp_compat.sdp.wrap import shard_module
 
+        self._sdp_built_dtypes = built_dtypes(self.module) if sixteen_bit_training() else {}
         self._sdp_units = shard_module(self.module, self.broadcast_buffers)
         attach_ds_views(self.module)
 
@@ -371,9 +374,10 @@ class DistributedModel(TensorParallelQueries, nn.Module):
         With ``gather_to_rank0`` only pp_rank 0 gets the dict; the other pipeline ranks get ``{}``.
         """
         if self._sdp_units is not None:
+            from smp_compat.sdp.masters import cast_to_built_dtypes
             from smp_compat.sdp.state_dicts import full_model_state_dict
 
-            return full_model_state_dict(self, cast_to_cpu)
+            return cast_to_built_dtypes(full_model_state_dict(self, cast_to_cpu), self._sdp_built_dtypes)
         return state_dicts.model_state_dict(self, destination, prefix, keep_vars, cast_to_cpu, gather_to_rank0)
 
     def local_state_dict(

@@ -297,6 +297,15 @@ _CONFIG_ADVICE: dict[str, str] = {
     "sdp_max_live_parameters": "Nothing to do: FSDP2 keeps the current and the next block gathered (no cap).",
     "sdp_hierarchical_allgather": "Nothing to do: FSDP2 has no hierarchical all-gather (NCCL picks its algorithm).",
 }
+_SDP_ONLY = ", and only with sharded_data_parallel_degree > 1"
+_WARNS_ONLY: dict[str, str] = {  # where another value changes nothing, in SMP either (SMPConfig.inert_keys)
+    "skip_tracing": ", and only at pipeline_parallel_degree > 1",
+    "activation_loading_horizon": ", and only with offload_activations",
+    "sdp_reduce_bucket_size": _SDP_ONLY,
+    "sdp_param_persistence_threshold": _SDP_ONLY,
+    "sdp_max_live_parameters": _SDP_ONLY,
+    "sdp_hierarchical_allgather": "; False, the flat all-gather FSDP2 does, never warns",
+}
 _DEFAULT_ADVICE = "Nothing to do: the key is accepted and has no effect here."
 
 
@@ -315,7 +324,8 @@ def _config_entry(key: str) -> Entry:
                 "other value raises SMPUnsupportedError at smp.init.")  # fmt: skip
         return Entry(key, "config", _U, section, note, f"Set it to {field.default!r} or remove it.", meaning=meaning)
     if key in NOT_ACTED_ON:
-        note = "Accepted and checked, but not acted on (smp.init warns when it is not the default)."
+        note = ("Accepted and checked, but not acted on (smp.init warns when it is not the default"
+                f"{_WARNS_ONLY.get(key, '')}).")  # SMPConfig.inert_keys
         if key == "prescaled_batch":  # SMPConfig.inert_keys: no effect at tp = 1, in SMP either
             note = "Accepted and checked; without tensor parallelism it changes nothing (nor did it in SMP): no warning."
         return Entry(key, "config", _P, section, note, _CONFIG_ADVICE.get(key, _DEFAULT_ADVICE), meaning=meaning)

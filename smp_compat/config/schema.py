@@ -216,8 +216,29 @@ class SMPConfig(BaseModel):
         )  # fmt: skip
 
     def inert_keys(self) -> list[str]:
-        """Keys set to a non-default value that change nothing under this config, in SMP as here."""
-        return ["prescaled_batch"] if self.prescaled_batch and self.tensor_parallel_degree == 1 else []
+        """Keys set to a non-default value that change nothing under this config, in SMP as here (logged at debug).
+
+        ``prescaled_batch`` at tp 1 (no tp group shares a batch); ``skip_tracing`` at pp 1 (SMP's trace fed only
+        the pipeline partitioner); the ``sdp_*`` tuning keys at sharded_data_parallel_degree 1 (nothing is
+        sharded); ``sdp_hierarchical_allgather: False`` (a flat all-gather, which is what FSDP2 does);
+        ``activation_loading_horizon`` without ``offload_activations`` (nothing is offloaded).
+        """
+        inert = set()
+        if self.tensor_parallel_degree == 1:
+            inert.add("prescaled_batch")
+        if self.pipeline_parallel_degree == 1:
+            inert.add("skip_tracing")
+        if self.sharded_data_parallel_degree == 1:
+            inert |= _SDP_TUNING_KEYS
+        if not self.sdp_hierarchical_allgather:
+            inert.add("sdp_hierarchical_allgather")
+        if not self.offload_activations:
+            inert.add("activation_loading_horizon")
+        fields = type(self).model_fields
+        return sorted(
+            _smp_key(name) for name, field in fields.items()
+            if _smp_key(name) in inert and getattr(self, name) != field.default
+        )  # fmt: skip
 
     def check_world_size(self, world_size: int) -> None:
         """Check the degrees against the number of processes, as SMP did at init."""
@@ -252,6 +273,11 @@ _INTERNAL_KEYS = frozenset(
     }
 )
 
+_SDP_TUNING_KEYS = frozenset(
+    {"sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters",
+     "sdp_hierarchical_allgather"}
+)
+
 NOT_ACTED_ON: frozenset[str] = frozenset(
     {
         "activation_loading_horizon",
@@ -262,8 +288,7 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         "static_mode",
         "fast_mode",
     }
-    | {"sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters",
-       "sdp_hierarchical_allgather"}  # FSDP2 has no such knob: see docs/differences.md
+    | _SDP_TUNING_KEYS  # FSDP2 has no such knob: see docs/differences.md
     | _INTERNAL_KEYS
 )
 """SMP keys accepted but not implemented yet; smp.init warns once about those set to a non-default value."""

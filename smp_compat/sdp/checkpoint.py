@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -90,17 +91,35 @@ def load_sharded(
     if moments:
         content["optim"] = get_optimizer_state_dict(model.module, inner)
     tagged = tag_tp_slices(content, model.module)
+    if moments:
+        tagged["optim"] = _without_stateless(tagged["optim"], folder)
     dcp.load(tagged, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=not strict))
     content = untag_tp_slices(tagged, model.module)
     set_model_state_dict(model.module, content["model"])
-    if moments:
-        set_optimizer_state_dict(model.module, inner, content["optim"])
+    if moments:  # not strict: the state-less parameters left out above (dcp.load checked every other key)
+        set_optimizer_state_dict(model.module, inner, content["optim"], options=StateDictOptions(strict=False))
     if load_optimizer:
         fp16 = Path(folder) / FP16_STATES
         load_fp16 = getattr(optimizer, "load_local_fp16_state_dict", None)
         if fp16.is_file() and callable(load_fp16):
             load_fp16(safe_load(fp16, map_location="cpu", weights_only=weights_only))
     attach_ds_views(model.module)
+
+
+def _without_stateless(optim: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The optimizer state to read, less the parameters the checkpoint has no state for.
+
+    A parameter that never had a gradient (a module the forward skips) has no optimizer state, so the
+    save wrote none; torch's ``get_optimizer_state_dict`` still gives the fresh optimizer an entry for every
+    parameter. Such a parameter stays state-less after the resume, as with plain PyTorch's
+    ``optimizer.load_state_dict``. A parameter with some of its entries saved is kept: a missing one still fails.
+    """
+    saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    state = {
+        name: entry for name, entry in optim["state"].items()
+        if any(f"optim.state.{name}.{key}" in saved for key in entry)
+    }  # fmt: skip
+    return {**optim, "state": state}
 
 
 def merge_sharded(folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -135,8 +135,8 @@ def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, stat
         from smp_compat.nn.state import slice_for_rank
 
         state_dict = {**state_dict, "state": _tp_optimizer_state(model, state_dict["state"], slice_for_rank)}
-    set_optimizer_state_dict(
-        model.module, optimizer, dict(state_dict), options=StateDictOptions(full_state_dict=full)
+    set_optimizer_state_dict(  # not strict: a parameter that never had a gradient has no state, as in plain PyTorch
+        model.module, optimizer, dict(state_dict), options=StateDictOptions(full_state_dict=full, strict=False)
     )
 
 

@@ -23,6 +23,7 @@ from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import process_group, state
 from smp_compat.precision.module16 import sixteen_bit_dtype
+from smp_compat.sdp.masters import sixteen_bit_training, upcast_parameters
 from smp_compat.sdp.mesh import build_mesh
 from smp_compat.sdp.tp import is_tp_shard, restore_tp_marks, tp_marks
 
@@ -105,8 +106,13 @@ def _params_outside(root: nn.Module, units: list[nn.Module]) -> set[int]:
 
 
 def mixed_precision() -> MixedPrecisionPolicy:
-    """fp32 sharded masters; 16-bit compute when the config asks for it, gradients reduced in fp32."""
-    if state.cfg.fp16 or state.cfg.bf16:
+    """fp32 sharded masters (masters.py); 16-bit gathers and compute when the config asks for it.
+
+    Gradients are reduce-scattered in fp32: each rank's 16-bit gradient is summed without a second
+    rounding, so the fp32 master gradient is the 16-bit backward's, as in a single-process run with fp32
+    masters (the 16-bit oracle), and an fp16 sum of scaled gradients cannot overflow where no rank did.
+    """
+    if sixteen_bit_training():
         # outputs: DistributedModel.forward
         return MixedPrecisionPolicy(param_dtype=sixteen_bit_dtype(), reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -134,6 +140,8 @@ def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Mod
 def _prepare(root: nn.Module, modules: list[nn.Module], broadcast_buffers: bool) -> None:
     """Allocate delayed modules, move them to the device, and copy dp rank 0's values (SMP's replica sync)."""
     materialize_local(root, modules, state.device)
+    if sixteen_bit_training():
+        upcast_parameters(modules)  # fp32 masters before fully_shard: the shards keep this dtype
     for m in modules:
         for name, b in m._buffers.items():
             if b is not None and b.device != state.device:

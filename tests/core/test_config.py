@@ -427,8 +427,27 @@ def test_simple_with_all_active_stays_simple() -> None:
 
 def test_not_acted_on_lists_explicit_non_default_keys_sorted() -> None:
     cfg = resolve({"skip_tracing": True, "optimize": "memory", "contiguous": True, "sdp_max_live_parameters": 5,
-                   "ddp": True, "fp16": True})  # fmt: skip
-    assert cfg.not_acted_on() == ["sdp_max_live_parameters", "skip_tracing"]  # optimize: acted on (tp)
+                   "ddp": True, "fp16": True, "pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 1,
+                   "fp16_params": False})  # fmt: skip
+    assert cfg.not_acted_on() == ["skip_tracing"]  # optimize: acted on (tp); sdp 1: sdp_max_live_parameters inert
+
+
+def test_keys_that_change_nothing_under_this_config_do_not_warn() -> None:
+    """AWS's sharded-DP notebooks (issue 26): skip_tracing at pp 1 and a flat all-gather change nothing in SMP
+    either, so they are only logged at debug level; the same keys warn where SMP would have acted on them."""
+    notebook = {"ddp": True, "skip_tracing": True, "delayed_parameter_initialization": True, "bf16": True,
+                "sharded_data_parallel_degree": 8, "sdp_hierarchical_allgather": False, "sdp_gradient_clipping": 1.0,
+                "sdp_reduce_bucket_size": int(5e8), "sdp_param_persistence_threshold": int(1e6),
+                "sdp_max_live_parameters": int(1e9), "activation_loading_horizon": 2, "prescaled_batch": True}
+    cfg = resolve(notebook)
+    assert cfg.not_acted_on() == []
+    assert cfg.inert_keys() == ["activation_loading_horizon", "prescaled_batch", "sdp_hierarchical_allgather",
+                                "skip_tracing"]  # fmt: skip
+    assert resolve({**notebook, "sharded_data_parallel_degree": 1, "sdp_max_live_parameters": 5}).not_acted_on() == []
+    acted = resolve({**notebook, "sdp_max_live_parameters": 5, "pipeline_parallel_degree": 2,
+                     "sharded_data_parallel_degree": 1, "bf16": False, "offload_activations": True})  # fmt: skip
+    assert acted.not_acted_on() == ["activation_loading_horizon", "skip_tracing"]  # sdp 1: the sdp keys stay inert
+    assert resolve({**notebook, "sdp_max_live_parameters": 5}).not_acted_on() == ["sdp_max_live_parameters"]
 
 
 def test_not_acted_on_contents() -> None:

@@ -36,3 +36,17 @@ def test_sdp_throughput_runs_all_three_from_the_same_weights(tmp_path: Path, cap
     assert all(t[0] > 0 for t in result["per_round"].values())
     first = result["first_losses"]
     assert first["smp"] == pytest.approx(first["fsdp2"], rel=1e-5) == pytest.approx(first["ddp"], rel=1e-5)
+
+
+def test_bf16_modes_compare_with_plain_fsdp2_on_fp32_shards(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    memory, throughput = tmp_path / "memory.json", tmp_path / "throughput.json"
+    toy = ["--world", "2", "--width", "32", "--layers", "2", "--steps", "1", "--precision", "bf16"]
+    assert sdp_memory.main([*toy, "--json", str(memory)]) == 0
+    results = json.loads(memory.read_text())["results"]
+    assert results["smp"]["params"] == results["fsdp2"]["params"] == results["fsdp2"]["full_params"] // 2  # fp32
+    assert results["smp"]["optimizer"] == results["fsdp2"]["optimizer"] == 2 * results["smp"]["params"]
+    assert sdp_throughput.main([*toy, "--rounds", "1", "--warmup", "1", "--json", str(throughput)]) in (0, 1)
+    assert "bf16" in capfd.readouterr().out
+    result = json.loads(throughput.read_text())
+    assert set(result["per_round"]) == {"smp", "fsdp2"}
+    assert result["first_losses"]["smp"] == pytest.approx(result["first_losses"]["fsdp2"], rel=1e-3)

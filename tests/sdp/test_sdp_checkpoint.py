@@ -144,3 +144,42 @@ def _state_dict_round_trips(sdp: int) -> dict:
 def test_model_and_optimizer_state_dicts_round_trip_full_and_sharded() -> None:
     for r in run_ranks(_state_dict_round_trips, 2, 2, timeout=180):
         assert r == {"model": True, "full_opt": True, "local_opt": True, "full_shape": (64, 16)}
+
+
+def _with_unused_parameter(directory: str, resume: bool) -> dict:
+    """A block holds a parameter the forward never uses (Flan-T5's unused ``relative_attention_bias`` under AWS's
+    flash attention): AdamW never gets a gradient for it, so it has no optimizer state to save."""
+    import smp_compat as smp
+
+    from models import make_model
+
+    torch.set_num_threads(1)
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2})
+    net = make_model()
+    net.blocks[0].unused = torch.nn.Linear(4, 4)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if resume:
+        smp.resume_from_checkpoint(directory, tag="stateless", partial=True)
+        opt.load_state_dict(opt.state_dict())  # the full and the sharded optimizer state dicts load such state too
+        opt.load_state_dict(opt.local_state_dict())
+    else:
+        train(smp, model, opt, steps=SPLIT)
+        smp.save_checkpoint(directory, "stateless", partial=True, model=model, optimizer=opt)
+    losses, _ = train(smp, model, opt, steps=2, start=SPLIT)
+    unused = net.blocks[0].unused.weight
+    return {"losses": losses, "params": model.state_dict(), "unused_state": dict(opt.state.get(unused, {})),
+            "states": len(opt.state)}  # fmt: skip
+
+
+def test_sharded_resume_of_a_parameter_without_optimizer_state(tmp_path: Path) -> None:
+    """Plain PyTorch resumes such an optimizer, the parameter stays state-less; once failed with
+    ``Missing key in checkpoint state_dict: optim.state.<name>.step``."""
+    first = run_ranks(_with_unused_parameter, 2, str(tmp_path), False, timeout=180)
+    second = run_ranks(_with_unused_parameter, 2, str(tmp_path), True, timeout=180)
+    for uninterrupted, resumed in zip(first, second):
+        assert resumed["unused_state"] == {} and uninterrupted["unused_state"] == {}
+        assert resumed["states"] == uninterrupted["states"]
+        assert resumed["losses"] == uninterrupted["losses"]
+        for name, value in uninterrupted["params"].items():
+            assert torch.equal(resumed["params"][name], value), name

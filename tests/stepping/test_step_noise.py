@@ -125,8 +125,8 @@ def test_loss_scale_arguments_without_fp16_and_prescaled_batch_at_tp1_are_debug_
 def test_other_keys_not_acted_on_still_warn() -> None:
     import smp_compat as smp
 
-    with pytest.warns(UserWarning, match="does not act on them yet: skip_tracing"):
-        smp.init({"skip_tracing": True, "prescaled_batch": True})
+    with pytest.warns(UserWarning, match=r"does not act on them yet: fp16_params\. See"):
+        smp.init({"fp16_params": True, "skip_tracing": True, "prescaled_batch": True})  # the last two: inert at pp 1
 
 
 # --- activation checkpointing of a Sequential whose parameter-free children run on their caller's rank ----
