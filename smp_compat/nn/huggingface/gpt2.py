@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
@@ -71,8 +72,9 @@ class DistributedGPT2Model(DistributedTransformer):
                 use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-        if past_key_values is not None or encoder_hidden_states is not None:
-            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in the tensor-parallel GPT-2")
+        refuse_unsupported_inputs("GPT-2", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
+                                  position_ids=position_ids), packed_positions=True)
         h, mask, shape = embed_with_mask(self, input_ids, inputs_embeds, position_ids, token_type_ids, attention_mask)
         h = self.seq_layers((h, mask))[0]
         h = self.ln_f(h).view(*shape, h.shape[-1])
@@ -208,19 +210,28 @@ def get_hf_gpt2_transformer_layer_hooks() -> tuple[Any, Any, Any]:
     smp.nn.DistributedTransformerLayer, *hooks)`` (Hugging Face 5's ``GPT2Block`` signature). Mark the blocks
     with ``smp.set_tensor_parallelism(block)`` so the whole ``GPT2Model`` is not swapped instead."""
 
+    layers: list[int] = []  # the model's block count, from the config init_hook sees
+
     def init_hook(config: Any, layer_idx: int | None = None) -> tuple[tuple, dict[str, Any]]:
         kwargs = _layer_kwargs(config)
-        del kwargs["num_layers"]
+        layers[:] = [kwargs.pop("num_layers")]
         return (), {**kwargs, "layer_idx": layer_idx}
 
     def forward_hook(hidden_states: torch.Tensor, past_key_values: Any = None, attention_mask: Any = None,
                      encoder_hidden_states: Any = None, encoder_attention_mask: Any = None, use_cache: Any = False,
-                     **_: Any) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
+                     **kwargs: Any) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
         # HF hands every block a cache when use_cache is on (its default, also in training); the layer does not
-        # fill it, so a cache that already holds tokens (the second generation step) is refused, never misused
-        cached = past_key_values is not None and past_key_values.get_seq_length() > 0
-        if cached or encoder_hidden_states is not None:
-            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in a tensor-parallel GPT2Block")
+        # fill it. A cache that holds tokens, or that already went through every block (generation's next step,
+        # which feeds only the new tokens), is refused, never misused; so are per-layer outputs
+        cache = past_key_values if past_key_values is not None else kwargs.get("cache")
+        if cache is not None:
+            passes = getattr(cache, "_smp_unfilled_passes", 0)
+            if cache.get_seq_length() > 0 or (layers and passes >= layers[0]):
+                raise SMPUnsupportedError("a filled past_key_values / cache (KV cache; generate() needs one) in a "
+                                          "tensor-parallel GPT2Block: decode with use_cache=False")  # fmt: skip
+            cache._smp_unfilled_passes = passes + 1
+        if encoder_hidden_states is not None or kwargs.get("output_attentions"):
+            raise SMPUnsupportedError("cross-attention and output_attentions in a tensor-parallel GPT2Block")
         mask = attention_mask
         if mask is not None and mask.dtype == torch.bool:  # HF's 4-D mask: True = attend
             zeros = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device)

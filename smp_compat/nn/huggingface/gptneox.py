@@ -24,7 +24,8 @@ from torch import nn
 from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.gptj import _copy_block
 from smp_compat.nn.huggingface.rotary_blocks import (
-    RotaryEmbedding, additive_mask, build_layers, layer_options, refuse_unsupported)  # fmt: skip
+    RotaryEmbedding, additive_mask, build_layers, layer_options)  # fmt: skip
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.registry import register_builtin
@@ -97,8 +98,8 @@ class DistributedGPTNeoXModel(DistributedModule):
                 past_key_values: Any = None, use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        refuse_unsupported("GPT-NeoX", past_key_values, output_attentions=kwargs.get("output_attentions"),
-                           output_hidden_states=kwargs.get("output_hidden_states"))  # fmt: skip
+        refuse_unsupported_inputs("GPT-NeoX", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  attention_mask=attention_mask, position_ids=position_ids), packed_positions=True)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         h = self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
