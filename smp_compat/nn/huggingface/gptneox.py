@@ -46,13 +46,20 @@ _QKV = ("query", "key", "value")
 
 
 def _rotary(config: Any) -> RotaryEmbedding:
-    rope = dict(config.rope_parameters or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope.get('rope_type')!r} (the swap computes the default rotary embedding)")
+    """The config's rotary embedding, read under either spelling: transformers 5's ``rope_parameters`` dict, or
+    4.x's attributes (``rotary_pct`` / ``partial_rotary_factor``, ``rotary_emb_base`` / ``rope_theta``,
+    ``rope_scaling``)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope_type {kind!r} (the swap computes the default rotary embedding)")
     head = config.hidden_size // config.num_attention_heads
     if getattr(config, "head_dim", None) not in (None, head):
         raise ValueError(f"head_dim {config.head_dim} different from hidden_size / num_attention_heads")
-    return RotaryEmbedding(int(head * rope.get("partial_rotary_factor", 1.0)), rope["rope_theta"], interleaved=False)
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", getattr(config, "rotary_emb_base", 10000.0)))
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    factor = getattr(config, "rotary_pct", 1.0) if factor is None else factor
+    return RotaryEmbedding(int(head * factor), theta, interleaved=False)
 
 
 def _layer_kwargs(config: Any) -> dict[str, Any]:

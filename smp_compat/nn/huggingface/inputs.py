@@ -38,13 +38,20 @@ def refuse_unsupported_inputs(model: str, inputs: Mapping[str, Any], packed_posi
         refused.append("past_key_values / cache (KV cache; generate() needs it)")
     refused += [f"{name}=True" for name in _FLAGS if inputs.get(name)]
     known = set(_CACHES) | set(_FLAGS) | _HARMLESS | {"attention_mask"}
-    refused += sorted(k for k, v in inputs.items() if k not in known and v is not None and v is not False)
+    refused += sorted(k for k, v in inputs.items() if k not in known and _set(v))
     if packed_positions and inputs.get("attention_mask") is None and _restarts(inputs.get("position_ids")):
         refused.append("position_ids that restart within a row (packed sequences) without an attention_mask")
     if refused:
         raise SMPUnsupportedError(
             f"{', '.join(refused)} in the tensor-parallel {model}: the swapped model computes a plain forward "
             "pass without a key/value cache (decode with the unswapped model, or pass use_cache=False)")  # fmt: skip
+
+
+def _set(value: Any) -> bool:
+    """Not None / False, nor a list of Nones (transformers 4 hands the encoder ``head_mask=[None] * layers``)."""
+    if isinstance(value, (list, tuple)):
+        return any(v is not None for v in value)
+    return value is not None and value is not False
 
 
 def _restarts(position_ids: torch.Tensor | None) -> bool:
