@@ -280,6 +280,7 @@ def _hf_pp_tp(kind: str, prescaled: bool, directory: str) -> dict:
     return out
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("prescaled", [False, True])
 @pytest.mark.parametrize("kind", ["gptj", "gptneox"])
 def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool, tmp_path: Path,

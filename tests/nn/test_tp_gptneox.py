@@ -11,6 +11,8 @@ import transformers  # the test extra installs it: these tests must run, not ski
 import tp_models as tm  # noqa: E402
 from smp_compat.testing import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
+
 LAYERS, HEADS, INTER = 2, 2, 24  # head size 8, rotary on its first 4 features: rotate_half differs from interleaved
 
 
