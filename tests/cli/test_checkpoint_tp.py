@@ -17,8 +17,6 @@ from smp_compat.checkpoints import convert
 from smp_compat.cli import main
 from smp_compat.testing import run_ranks
 
-pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
-
 __all__: list[str] = []
 
 STEPS = 6

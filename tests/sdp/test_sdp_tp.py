@@ -20,8 +20,6 @@ import transformers  # the test extra installs it: these tests must run, not ski
 import tp_models as tm
 from smp_compat.testing import run_ranks
 
-pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
-
 TP, SDP, WORLD = 2, 2, 4
 LR, EPS, CLIP = 1e-2, 1e-3, 1.0
 # eps 1e-3, not 1e-8: the key bias's true gradient is 0, and Adam would turn its float noise (~1e-9, different
