@@ -9,33 +9,9 @@ clipping inside ``optimizer.step()``, sharded checkpoints in ``<tag>_partial/`` 
 
 from __future__ import annotations
 
-import torch
-
-from smp_compat.errors import SMPUnsupportedError
 from smp_compat.globalstate import state
 
-__all__ = ["enabled", "require_fsdp2"]
-
-TORCH_FLOOR = "2.6"
-"""The oldest torch with the APIs below public (pyproject.toml's floor; docs/versions.md has its run)."""
-
-
-def require_fsdp2() -> None:
-    """SMPUnsupportedError, naming the feature and the version, where torch lacks FSDP2 (``fully_shard``,
-    ``MixedPrecisionPolicy``: public from torch 2.6) or DTensor (2.5); rather than an ImportError from
-    deep inside ``import smp_compat``."""
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
-        from torch.distributed.tensor import DTensor  # noqa: F401
-    except ImportError as exc:
-        raise SMPUnsupportedError(
-            f"smp_compat needs torch >= {TORCH_FLOOR}: sharded data parallelism and tensor parallelism's sharded "
-            f"state use FSDP2 (torch.distributed.fsdp.fully_shard, MixedPrecisionPolicy; public from torch 2.6) "
-            f"and DTensor (torch.distributed.tensor; 2.5). This is torch {torch.__version__}: "
-            f"pip install 'torch>={TORCH_FLOOR}'") from exc  # fmt: skip
-
-
-require_fsdp2()
+__all__ = ["enabled"]
 
 
 def enabled() -> bool:

@@ -25,17 +25,17 @@ def test_version_prints_python_torch_transformers(capsys: pytest.CaptureFixture[
 
 def test_version_warns_outside_the_tested_range(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    monkeypatch.setattr(versions, "installed", lambda: {"python": "3.11.9", "torch": "2.4.1+cpu",
+    monkeypatch.setattr(versions, "installed", lambda: {"python": "3.11.9", "torch": "2.6.0+cpu",
                                                         "transformers": None})  # fmt: skip
     assert cli.main(["--version"]) == 0
     captured = capsys.readouterr()
     assert "transformers not installed" in captured.out
-    assert "warning: torch 2.4.1+cpu is outside the tested range" in captured.err
+    assert "warning: torch 2.6.0+cpu is outside the tested range" in captured.err
     assert "python" not in captured.err and "transformers" not in captured.err
 
 
 @pytest.mark.parametrize(("name", "version", "outside"), [
-    ("torch", "2.6.0+cu124", False), ("torch", "2.13.0", False), ("torch", "2.5.1", True),
+    ("torch", "2.8.0+cu128", False), ("torch", "2.13.0", False), ("torch", "2.7.1", True),
     ("torch", "2.14.0", True), ("transformers", "4.40.2", False), ("transformers", "4.39.3", True),
     ("transformers", "5.24.0", False), ("transformers", "5.25.0.dev0", True), ("python", "3.12.1", True),
 ])  # fmt: skip
@@ -54,10 +54,10 @@ def test_docs_table_is_the_tested_range() -> None:
 
 def test_declared_floors_are_the_tested_ones() -> None:
     """pyproject.toml's torch and transformers floors, the import-time torch check and README say the same."""
-    from smp_compat import sdp
+    from smp_compat import torch_floor
 
     root = DOC.parents[1]
     pyproject, readme = (root / "pyproject.toml").read_text(), (root / "README.md").read_text()
     torch_low, hf_low = versions.TESTED["torch"][0], versions.TESTED["transformers"][0]
     assert f'"torch>={torch_low}"' in pyproject and f'"transformers>={hf_low}"' in pyproject
-    assert sdp.TORCH_FLOOR == torch_low and f"torch >= {torch_low}" in readme
+    assert torch_floor.TORCH_FLOOR == torch_low and f"torch >= {torch_low}" in readme

@@ -1,5 +1,5 @@
-"""A torch without FSDP2 or DTensor (older than the floor) gets an SMPUnsupportedError naming the feature and
-the version at ``import smp_compat``, not an ImportError from deep inside it."""
+"""A torch older than the floor gets one SMPUnsupportedError at ``import smp_compat`` naming each missing API,
+the feature that needs it and the version, not an ImportError or AttributeError from deep inside a step."""
 
 from __future__ import annotations
 
@@ -7,16 +7,21 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
-def test_torch_without_fsdp2_is_named_with_the_version_it_needs() -> None:
-    code = textwrap.dedent("""
-        import torch.distributed.fsdp as fsdp
-        del fsdp.fully_shard  # what torch 2.5 looks like to smp_compat
+
+@pytest.mark.parametrize(("remove", "named"), [
+    ("import torch.distributed.fsdp as m; del m.fully_shard", "sharded data parallelism: FSDP2"),  # torch 2.5
+    ("import torch; del torch._C._autograd._top_saved_tensors_default_hooks", "pipeline parallelism"),  # 2.6, 2.7
+])  # fmt: skip
+def test_an_older_torch_is_named_with_the_feature_and_version(remove: str, named: str) -> None:
+    code = textwrap.dedent(f"""
+        {remove}
         try:
             import smp_compat
         except NotImplementedError as exc:
             print(type(exc).__name__, exc)
     """)  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert out.startswith("SMPUnsupportedError smp_compat needs torch >= 2.6"), out
-    assert "FSDP2" in out and "fully_shard" in out and "pip install 'torch>=2.6'" in out
+    assert out.startswith("SMPUnsupportedError smp_compat needs torch >= 2.8"), out
+    assert named in out and "pip install 'torch>=2.8'" in out
