@@ -62,6 +62,11 @@ def _rotary(config: Any) -> RotaryEmbedding:
     return RotaryEmbedding(int(head * factor), theta, interleaved=False)
 
 
+def _bias(config: Any) -> bool:
+    """Whether the attention has biases (``attention_bias``; transformers 4.36 lacks the option and always has them)."""
+    return bool(getattr(config, "attention_bias", True))
+
+
 def _layer_kwargs(config: Any) -> dict[str, Any]:
     """Layer arguments equal to a GPTNeoXConfig; ValueError (the model stays unswapped) for what the swap lacks."""
     _rotary(config)
@@ -71,7 +76,7 @@ def _layer_kwargs(config: Any) -> dict[str, Any]:
         intermediate_size=config.intermediate_size, attention_dropout_prob=config.attention_dropout,
         hidden_dropout_prob=config.hidden_dropout, activation=activation_of(config, "hidden_act"),
         layernorm_epsilon=config.layer_norm_eps, initializer_range=config.initializer_range,
-        use_normal_initialization=True, attention_bias=bool(config.attention_bias), attention_in_fp32=True,
+        use_normal_initialization=True, attention_bias=_bias(config), attention_in_fp32=True,
     )  # fmt: skip
 
 
@@ -86,7 +91,7 @@ class DistributedGPTNeoXModel(DistributedModule):
         _heads_seen.add(config.num_attention_heads)
         self.seq_layers = build_layers(config.num_hidden_layers, layer, _rotary(config),
                                        parallel=bool(config.use_parallel_residual), shared_layernorm=False,
-                                       dense_bias=bool(config.attention_bias))  # fmt: skip
+                                       dense_bias=_bias(config))  # fmt: skip
         self.embed_in, self.emb_dropout, self.final_layer_norm = hf.embed_in, hf.emb_dropout, hf.final_layer_norm
         if not any(p.is_meta for p in hf.parameters()):
             with torch.no_grad():
