@@ -1,8 +1,8 @@
 """The oldest torch smp_compat runs on, checked once at ``import smp_compat``.
 
 Below it, a missing API would surface as an ImportError or AttributeError deep inside a step; here it is one
-SMPUnsupportedError naming the features and the version they need. The floor is pyproject.toml's and
-docs/versions.md's (where the suite's run on it is recorded).
+SMPUnsupportedError naming the features and the version they need. This floor is where those APIs exist;
+pyproject.toml asks for the oldest torch the whole suite passed on (higher: docs/versions.md has the runs).
 """
 
 from __future__ import annotations

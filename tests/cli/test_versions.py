@@ -35,7 +35,7 @@ def test_version_warns_outside_the_tested_range(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize(("name", "version", "outside"), [
-    ("torch", "2.8.0+cu128", False), ("torch", "2.13.0", False), ("torch", "2.7.1", True),
+    ("torch", "2.13.0+cu128", False), ("torch", "2.13.1", False), ("torch", "2.8.0", True),
     ("torch", "2.14.0", True), ("transformers", "4.40.2", False), ("transformers", "4.39.3", True),
     ("transformers", "5.24.0", False), ("transformers", "5.25.0.dev0", True), ("python", "3.12.1", True),
 ])  # fmt: skip
@@ -53,11 +53,13 @@ def test_docs_table_is_the_tested_range() -> None:
 
 
 def test_declared_floors_are_the_tested_ones() -> None:
-    """pyproject.toml's torch and transformers floors, the import-time torch check and README say the same."""
+    """pyproject.toml's torch and transformers floors and README's are the tested ones; the import-time check's
+    floor (the APIs smp_compat calls exist) is no higher."""
     from smp_compat import torch_floor
 
     root = DOC.parents[1]
     pyproject, readme = (root / "pyproject.toml").read_text(), (root / "README.md").read_text()
     torch_low, hf_low = versions.TESTED["torch"][0], versions.TESTED["transformers"][0]
     assert f'"torch>={torch_low}"' in pyproject and f'"transformers>={hf_low}"' in pyproject
-    assert torch_floor.TORCH_FLOOR == torch_low and f"torch >= {torch_low}" in readme
+    assert f"torch >= {torch_low}" in readme
+    assert versions._release(torch_floor.TORCH_FLOOR, 2) <= versions._release(torch_low, 2)
