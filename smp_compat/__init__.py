@@ -11,6 +11,10 @@ import warnings as _warnings
 # torch without numpy warns at import in every process; nothing here needs numpy. Only that message.
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+from smp_compat.torch_floor import check_torch as _check_torch
+
+_check_torch()  # an older torch: one error naming what it lacks, not an ImportError deep inside
+
 from smp_compat import amp
 from smp_compat import nn
 from smp_compat import patches as patches

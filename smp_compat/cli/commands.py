@@ -62,10 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     if args[0] == "--version":
-        from smp_compat import __version__
+        from smp_compat.cli.versions import version_command
 
-        print(f"smp-compat {__version__}")
-        return 0
+        return version_command()
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"smp-compat: unknown command {args[0]!r}.\n\n{_usage()}", file=sys.stderr)

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
@@ -84,12 +85,20 @@ def refuse_filled_cache(args: tuple, kwargs: dict) -> None:
     with ``use_cache``) is fine: nothing reads it back."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     cache_type = getattr(cache_utils, "Cache", None)
-    if cache_type is None:
-        return
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, cache_type) and value.get_seq_length() > 0:
-            raise SMPUnsupportedError(
-                "past_key_values holding cached keys and values with pipeline_parallel_degree > 1: each pipeline "
-                "rank updates the cache of its own layers in place and those updates do not come back, so "
-                "decoding would attend to missing entries. Decode without a cache (use_cache=False), or at pp = 1."
-            )
+    filled = _legacy_filled(kwargs.get("past_key_values"))
+    if cache_type is not None:
+        filled = filled or any(isinstance(v, cache_type) and v.get_seq_length() > 0 for v in (*args, *kwargs.values()))
+    if filled:
+        raise SMPUnsupportedError(
+            "past_key_values holding cached keys and values with pipeline_parallel_degree > 1: each pipeline "
+            "rank updates the cache of its own layers in place and those updates do not come back, so "
+            "decoding would attend to missing entries. Decode without a cache (use_cache=False), or at pp = 1."
+        )
+
+
+def _legacy_filled(value: Any, depth: int = 0) -> bool:
+    """transformers 4.x's tuple cache (per layer a ``(key, value)`` pair of ``[N, heads, S, d]`` tensors, or one
+    layer's pair) that holds keys and values."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 4 and value.shape[-2] > 0
+    return depth < 2 and isinstance(value, (tuple, list)) and any(_legacy_filled(v, depth + 1) for v in value)

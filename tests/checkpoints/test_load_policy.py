@@ -115,6 +115,7 @@ def test_the_users_own_allow_list_is_left_as_it_was(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- anything else: trusted folders only
 
 
+@pytest.mark.hf
 def test_a_transformers_config_is_refused_naming_every_way_out(tmp_path: Path) -> None:
     _save_config_checkpoint(tmp_path)
     with pytest.raises(CheckpointError) as info:
@@ -167,6 +168,7 @@ def test_weights_only_false_still_works(tmp_path: Path) -> None:
     _assert_config(smp.resume_from_checkpoint(tmp_path, weights_only=False))
 
 
+@pytest.mark.hf
 def test_smp_load_refuses_and_trusts_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     smp.init({})
     smp.save({"model_config": transformers.GPT2Config(n_layer=2), "step": 3}, tmp_path / "cfg.pt")

@@ -384,10 +384,12 @@ def _check_gpt2(results: list[dict]) -> None:
     assert seen == set(ref_params)  # every parameter was materialized on some rank
 
 
+@pytest.mark.hf
 def test_hf_gpt2_delayed_at_pp1() -> None:
     _check_gpt2([_gpt2(1)])
 
 
+@pytest.mark.hf
 def test_hf_gpt2_delayed_at_pp2() -> None:
     results = run_ranks(_gpt2, 2, 2, timeout=180)
     assert results[0]["losses"] == results[1]["losses"]

@@ -247,10 +247,12 @@ def _gptneox() -> torch.nn.Module:
 
 
 def _hf_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Right padding on some samples and per-sample position ids, chosen by content (the same on any split)."""
+    """Right padding on some samples and per-sample position ids, chosen by content (the same on any split),
+    below the sequence length (transformers 4's GPT-NeoX looks them up in a rotary table that long)."""
     mask = torch.ones_like(ids)
     mask[ids[:, 0] % 3 == 0, -2:] = 0
-    positions = torch.arange(ids.shape[1]) * (1 + ids[:, :1] % 3)
+    forward = torch.arange(ids.shape[1])
+    positions = torch.where(ids[:, :1] % 3 == 1, forward.flip(0), forward)
     return model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=ids).loss
 
 
@@ -275,12 +277,12 @@ def _hf_pp_tp(kind: str, prescaled: bool, directory: str) -> dict:
     translate = getattr(smp.nn.huggingface, kind).__dict__[f"translate_state_dict_to_hf_{kind}"]
     full = model.state_dict()
     out["hf"] = translate(full) if full else {}
-    out["tied"] = kind == "gptneox" and inner.lm_head.weight is inner.gpt_neox.embed_in.weight
+    out["tied"] = kind == "gptneox" and inner.get_output_embeddings().weight is inner.gpt_neox.embed_in.weight
     smp.save_checkpoint(directory, "s", model=model, optimizer=opt)  # merged below into a stock HF dict
     return out
 
 
-@pytest.mark.parametrize("prescaled", [False, True])
+@pytest.mark.parametrize("prescaled", [pytest.param(False, marks=pytest.mark.hf), True])  # one run at the floor
 @pytest.mark.parametrize("kind", ["gptj", "gptneox"])
 def test_hf_rotary_models_at_pp2_tp2_match_stock_hf(kind: str, prescaled: bool, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip

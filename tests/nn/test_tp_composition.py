@@ -145,6 +145,7 @@ def _delayed(tp: int) -> dict:
             "full": {k: v.clone() for k, v in model.state_dict().items()}}  # fmt: skip
 
 
+@pytest.mark.hf
 def test_delayed_initialization_materializes_only_the_shards() -> None:
     tp2 = run_ranks(_delayed, 2, 2, timeout=180)
     tp1 = run_ranks(_delayed, 1, 1, timeout=120)[0]

@@ -10,6 +10,8 @@ import transformers  # the test extra installs it: these tests must run, not ski
 import tp_models as tm  # noqa: E402
 from smp_compat.testing import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
+
 LAYERS = 2
 
 

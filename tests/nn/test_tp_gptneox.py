@@ -11,6 +11,8 @@ import transformers  # the test extra installs it: these tests must run, not ski
 import tp_models as tm  # noqa: E402
 from smp_compat.testing import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
+
 LAYERS, HEADS, INTER = 2, 2, 24  # head size 8, rotary on its first 4 features: rotate_half differs from interleaved
 
 
@@ -21,6 +23,19 @@ def _model(parallel: bool = True, bias: bool = True, rotary_pct: float = 0.5) ->
         attention_bias=bias, tie_word_embeddings=True, hidden_dropout=0.0, attention_dropout=0.0,
         bos_token_id=0, eos_token_id=0)  # fmt: skip
     return transformers.GPTNeoXForCausalLM(config)
+
+
+def _inputs(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``padded_inputs`` with positions below the sequence length: transformers 4's GPT-NeoX looks them up in a
+    rotary table as long as the sequence."""
+    inputs = tm.padded_inputs(ids)
+    forward = torch.arange(ids.shape[1])
+    inputs["position_ids"] = torch.where(ids[:, :1] % 3 == 1, forward.flip(0), forward)  # per sample, by content
+    return inputs
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(**_inputs(ids), labels=ids).loss
 
 
 def _train(prescaled: bool, parallel: bool) -> dict:
@@ -34,14 +49,14 @@ def _train(prescaled: bool, parallel: bool) -> dict:
     opt = smp.DistributedOptimizer(tm.adamw(model.parameters()))
     inner = model.get_module()
 
-    losses = tm.train(smp, model, opt, tm.hf_padded_loss)
+    losses = tm.train(smp, model, opt, _loss)
     mine = tm.my_samples(smp, tm.batches(1)[0])
     with torch.no_grad():
-        logits = model(**tm.padded_inputs(mine)).logits
+        logits = model(**_inputs(mine)).logits
     return {
         "losses": losses, "hf": smp.nn.huggingface.gptneox.translate_state_dict_to_hf_gptneox(model.state_dict()),
         "ids": mine, "logits": logits, "local": sum(p.numel() for p in model.parameters()),
-        "kind": type(inner.gpt_neox).__name__, "tied": inner.lm_head.weight is inner.gpt_neox.embed_in.weight,
+        "kind": type(inner.gpt_neox).__name__, "tied": inner.get_output_embeddings().weight is inner.gpt_neox.embed_in.weight,
         "paths": all(hasattr(c, "attention") and hasattr(c, "output") for c in inner.gpt_neox.seq_layers),
     }  # fmt: skip
 
@@ -51,7 +66,7 @@ def test_gptneox_tp2_matches_stock_hf(prescaled: bool, parallel: bool) -> None:
     results = run_ranks(_train, 2, prescaled, parallel, timeout=240)
     # rotary on every feature: the key bias of unrotated features has a zero true gradient, whose float noise AdamW
     # would amplify (GPT-J's tests cover partial rotary under tp; test_gptneox_swapped_at_tp1 covers it here)
-    ref_losses, ref_params = tm.reference(lambda: _model(parallel, rotary_pct=1.0), loss_fn=tm.hf_padded_loss, make_opt=tm.adamw)
+    ref_losses, ref_params = tm.reference(lambda: _model(parallel, rotary_pct=1.0), loss_fn=_loss, make_opt=tm.adamw)
     torch.testing.assert_close(torch.tensor([r["losses"] for r in results]).mean(0), torch.tensor(ref_losses),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     stock = _model(parallel, rotary_pct=1.0)
@@ -65,7 +80,7 @@ def test_gptneox_tp2_matches_stock_hf(prescaled: bool, parallel: bool) -> None:
         for name, value in ref_params.items():
             torch.testing.assert_close(r["hf"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         with torch.no_grad():
-            theirs = stock(**tm.padded_inputs(r["ids"])).logits
+            theirs = stock(**_inputs(r["ids"])).logits
         torch.testing.assert_close(r["logits"], theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -83,10 +98,10 @@ def _tp1() -> dict:
     model = smp.DistributedModel(hf)
     inner = model.get_module().gpt_neox
     ids = tm.batches(1)[0]
-    out, ref = model(**tm.padded_inputs(ids), labels=ids), plain(**tm.padded_inputs(ids), labels=ids)
+    out, ref = model(**_inputs(ids), labels=ids), plain(**_inputs(ids), labels=ids)
     refused = ""
     try:  # generation's first call: an empty cache the stack would never fill
-        model(input_ids=ids, past_key_values=transformers.DynamicCache(config=plain.config), use_cache=True)
+        model(input_ids=ids, past_key_values=transformers.DynamicCache(), use_cache=True)
     except smp.SMPUnsupportedError as exc:
         refused = str(exc)
     layer = inner.seq_layers[0]

@@ -10,6 +10,8 @@ import transformers
 
 from smp_compat.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox
 
+pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
+
 SWAPS: list[tuple[Any, Any, str]] = [
     (gpt2, lambda act: transformers.GPT2Config(n_embd=8, n_head=2, activation_function=act), "activation_function"),
     (gptneo, lambda act: transformers.GPTNeoConfig(hidden_size=8, num_heads=2, num_layers=2,

@@ -65,6 +65,7 @@ def test_smp_nn_modules_equal_torch_at_tp1() -> None:
         smp.nn.DistributedEmbedding(10, 4, max_norm=1.0)
 
 
+@pytest.mark.hf
 def test_unsupported_hf_model_falls_back_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     import transformers
     smp.init({})

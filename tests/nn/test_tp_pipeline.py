@@ -132,6 +132,7 @@ def _check(results: list[dict], kind: str, auto: bool = False) -> None:
             transformers.GPT2LMHeadModel(_gpt2_config()).load_state_dict(translate_state_dict_to_hf_gpt2(r["full"]))
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_gpt2_pp2_tp2_matches_stock_hf(prescaled: bool) -> None:
     _check(run_ranks(_train, 4, "gpt2", prescaled, 2, "interleaved", timeout=240), "gpt2")

@@ -150,6 +150,7 @@ def _full_gpt2_checkpoint(directory: str) -> None:
     smp.save_checkpoint(directory, "hf", partial=False, model=model)  # translate_if_full: HF's own names
 
 
+@pytest.mark.hf
 def test_full_checkpoint_of_gpt2_at_pp2_tp2_loads_into_stock_hf(tmp_path: Any) -> None:
     import transformers
 
@@ -215,6 +216,7 @@ def _contexts_survive_the_swap() -> dict:
             "stages": {n: plan.rank_of(n) for n in ("first.output", "second.output", "second.output.layernorm")}}
 
 
+@pytest.mark.hf
 def test_smp_partition_of_a_swapped_module_survives_the_swap() -> None:
     """A block created under smp.partition(1) and swapped for its distributed version stays on stage 1."""
     for r in run_ranks(_contexts_survive_the_swap, 4, timeout=120):

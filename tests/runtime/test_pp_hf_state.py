@@ -16,6 +16,8 @@ import transformers  # the test extra installs it: these tests must run, not ski
 import smp_compat as smp
 from smp_compat.testing import RankFailure, run_ranks
 
+pytestmark = pytest.mark.hf  # run again under the oldest supported transformers
+
 LAYERS, STEPS, LR = 4, 2, 0.1
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.huggingface.gpt2 import _translate
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
@@ -72,8 +72,8 @@ class DistributedBertEncoder(DistributedTransformer):
                 past_key_values: Any = None, use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-        if encoder_hidden_states is not None or past_key_values is not None:
-            raise SMPUnsupportedError("cross-attention and past_key_values in the tensor-parallel BERT encoder")
+        refuse_unsupported_inputs("BERT encoder", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  encoder_hidden_states=encoder_hidden_states))  # fmt: skip
         mask = attention_mask
         if mask is not None and mask.dtype == torch.bool:  # HF's 4-D mask: True = attend
             zeros = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device)

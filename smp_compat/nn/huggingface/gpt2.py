@@ -8,6 +8,7 @@ and HF's own loss runs unchanged) and holds the blocks as ``seq_layers[i]`` with
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
@@ -71,8 +73,9 @@ class DistributedGPT2Model(DistributedTransformer):
                 use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-        if past_key_values is not None or encoder_hidden_states is not None:
-            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in the tensor-parallel GPT-2")
+        refuse_unsupported_inputs("GPT-2", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
+                                  position_ids=position_ids), packed_positions=True)
         h, mask, shape = embed_with_mask(self, input_ids, inputs_embeds, position_ids, token_type_ids, attention_mask)
         h = self.seq_layers((h, mask))[0]
         h = self.ln_f(h).view(*shape, h.shape[-1])
@@ -205,29 +208,58 @@ def register() -> None:
 
 def get_hf_gpt2_transformer_layer_hooks() -> tuple[Any, Any, Any]:
     """``(init_hook, forward_hook, return_hook)`` for ``tp_register_with_module(GPT2Block,
-    smp.nn.DistributedTransformerLayer, *hooks)`` (Hugging Face 5's ``GPT2Block`` signature). Mark the blocks
-    with ``smp.set_tensor_parallelism(block)`` so the whole ``GPT2Model`` is not swapped instead."""
+    smp.nn.DistributedTransformerLayer, *hooks)``, for the installed transformers' ``GPT2Block`` (4.x or 5.x).
+    Mark the blocks with ``smp.set_tensor_parallelism(block)`` so the whole ``GPT2Model`` is not swapped instead."""
+    import transformers
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    signature = inspect.signature(GPT2Block.forward)  # the arguments' names and order differ across versions
+    returns_tuple = int(transformers.__version__.split(".")[0]) < 5  # 4.x: (hidden, present, ...); 5.x: hidden
+    layers: list[int] = []  # the model's block count, from the config init_hook sees
 
     def init_hook(config: Any, layer_idx: int | None = None) -> tuple[tuple, dict[str, Any]]:
         kwargs = _layer_kwargs(config)
-        del kwargs["num_layers"]
+        layers[:] = [kwargs.pop("num_layers")]
         return (), {**kwargs, "layer_idx": layer_idx}
 
-    def forward_hook(hidden_states: torch.Tensor, past_key_values: Any = None, attention_mask: Any = None,
-                     encoder_hidden_states: Any = None, encoder_attention_mask: Any = None, use_cache: Any = False,
-                     **_: Any) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
-        # HF hands every block a cache when use_cache is on (its default, also in training); the layer does not
-        # fill it, so a cache that already holds tokens (the second generation step) is refused, never misused
-        cached = past_key_values is not None and past_key_values.get_seq_length() > 0
-        if cached or encoder_hidden_states is not None:
-            raise SMPUnsupportedError("past_key_values (KV cache) and cross-attention in a tensor-parallel GPT2Block")
-        mask = attention_mask
+    def forward_hook(*args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        bound = signature.bind(None, *args, **kwargs).arguments
+        bound.update(bound.pop("kwargs", {}))
+        _refuse_block_inputs(bound, layers[0] if layers else None)
+        hidden_states, mask = bound["hidden_states"], bound.get("attention_mask")
         if mask is not None and mask.dtype == torch.bool:  # HF's 4-D mask: True = attend
             zeros = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device)
             mask = zeros.masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
         return ((hidden_states, mask),), {}
 
-    def return_hook(output: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return output[0]
+    def return_hook(output: tuple[torch.Tensor, ...]) -> Any:
+        hidden = output[0]
+        if not returns_tuple:
+            return hidden
+        # 4.x's GPT2Model keeps outputs[1] as the layer's cache entry: a zero-memory placeholder of the right
+        # length, so generation's next step hands it back and is refused (never fed the new token alone)
+        mark = hidden.new_zeros(()).expand(hidden.shape[0], 1, hidden.shape[1], 1)
+        return hidden, (mark, mark)
 
     return init_hook, forward_hook, return_hook
+
+
+def _refuse_block_inputs(bound: dict[str, Any], layers: int | None) -> None:
+    """HF hands every block a cache when use_cache is on (its default, also in training); the layer does not fill
+    it. A cache that holds tokens, that already went through every block (generation's next step, which feeds
+    only the new tokens), or a 4.x ``layer_past`` is refused, never misused; so are cross-attention, a head mask
+    and per-layer outputs."""
+    cache = next((bound.get(n) for n in ("cache", "past_key_values") if bound.get(n) is not None), None)
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        passes = getattr(cache, "_smp_unfilled_passes", 0)
+        if cache.get_seq_length() > 0 or (layers is not None and passes >= layers):
+            cache = "filled"
+        else:
+            cache._smp_unfilled_passes = passes + 1
+            cache = None
+    if cache is not None or bound.get("layer_past") is not None:
+        raise SMPUnsupportedError("a filled past_key_values / cache (KV cache; generate() needs one) in a "
+                                  "tensor-parallel GPT2Block: decode with use_cache=False")  # fmt: skip
+    asked = [n for n in ("encoder_hidden_states", "head_mask", "output_attentions") if bound.get(n) not in (None, False)]
+    if asked:
+        raise SMPUnsupportedError(f"{', '.join(asked)} in a tensor-parallel GPT2Block")

@@ -18,7 +18,8 @@ from torch import nn
 
 from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.rotary_blocks import (
-    RotaryEmbedding, additive_mask, build_layers, layer_options, refuse_unsupported)  # fmt: skip
+    RotaryEmbedding, additive_mask, build_layers, layer_options)  # fmt: skip
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import DistributedModule, shard
 from smp_compat.nn.registry import register_builtin
@@ -82,8 +83,9 @@ class DistributedGPTJModel(DistributedModule):
                 **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        refuse_unsupported("GPT-J", past_key_values, output_attentions=output_attentions,
-                           output_hidden_states=output_hidden_states)  # fmt: skip
+        refuse_unsupported_inputs("GPT-J", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                  attention_mask=attention_mask, position_ids=position_ids), packed_positions=True)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         h = self.wte(input_ids) if inputs_embeds is None else inputs_embeds

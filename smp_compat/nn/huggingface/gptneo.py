@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp_compat.errors import SMPUnsupportedError
 from smp_compat.nn.huggingface.gpt2 import _translate, embed_with_mask
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device
 from smp_compat.nn.module import shard
 from smp_compat.nn.registry import register_builtin
@@ -76,8 +76,8 @@ class DistributedGPTNeoModel(DistributedTransformer):
                 use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        if past_key_values is not None:
-            raise SMPUnsupportedError("past_key_values (KV cache) in the tensor-parallel GPT-Neo")
+        refuse_unsupported_inputs("GPT-Neo", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  attention_mask=attention_mask, position_ids=position_ids), packed_positions=True)
         h, mask, shape = embed_with_mask(self, input_ids, inputs_embeds, position_ids, token_type_ids, attention_mask)
         h = self.ln_f(self.seq_layers((h, mask))[0]).view(*shape, h.shape[-1])
         return BaseModelOutputWithPast(last_hidden_state=h)

@@ -24,7 +24,8 @@ from torch import nn
 from smp_compat.nn.huggingface.gpt2 import _translate, add_causal_mask_buffers
 from smp_compat.nn.huggingface.gptj import _copy_block
 from smp_compat.nn.huggingface.rotary_blocks import (
-    RotaryEmbedding, additive_mask, build_layers, layer_options, refuse_unsupported)  # fmt: skip
+    RotaryEmbedding, additive_mask, build_layers, layer_options)  # fmt: skip
+from smp_compat.nn.huggingface.inputs import refuse_unsupported_inputs
 from smp_compat.nn.huggingface.building import activation_of, build_on_device, check_overrides
 from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.registry import register_builtin
@@ -45,13 +46,25 @@ _QKV = ("query", "key", "value")
 
 
 def _rotary(config: Any) -> RotaryEmbedding:
-    rope = dict(config.rope_parameters or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope.get('rope_type')!r} (the swap computes the default rotary embedding)")
+    """The config's rotary embedding, read under either spelling: transformers 5's ``rope_parameters`` dict, or
+    4.x's attributes (``rotary_pct`` / ``partial_rotary_factor``, ``rotary_emb_base`` / ``rope_theta``,
+    ``rope_scaling``)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope_type {kind!r} (the swap computes the default rotary embedding)")
     head = config.hidden_size // config.num_attention_heads
     if getattr(config, "head_dim", None) not in (None, head):
         raise ValueError(f"head_dim {config.head_dim} different from hidden_size / num_attention_heads")
-    return RotaryEmbedding(int(head * rope.get("partial_rotary_factor", 1.0)), rope["rope_theta"], interleaved=False)
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", getattr(config, "rotary_emb_base", 10000.0)))
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    factor = getattr(config, "rotary_pct", 1.0) if factor is None else factor
+    return RotaryEmbedding(int(head * factor), theta, interleaved=False)
+
+
+def _bias(config: Any) -> bool:
+    """Whether the attention has biases (``attention_bias``; transformers 4.36 lacks the option and always has them)."""
+    return bool(getattr(config, "attention_bias", True))
 
 
 def _layer_kwargs(config: Any) -> dict[str, Any]:
@@ -63,7 +76,7 @@ def _layer_kwargs(config: Any) -> dict[str, Any]:
         intermediate_size=config.intermediate_size, attention_dropout_prob=config.attention_dropout,
         hidden_dropout_prob=config.hidden_dropout, activation=activation_of(config, "hidden_act"),
         layernorm_epsilon=config.layer_norm_eps, initializer_range=config.initializer_range,
-        use_normal_initialization=True, attention_bias=bool(config.attention_bias), attention_in_fp32=True,
+        use_normal_initialization=True, attention_bias=_bias(config), attention_in_fp32=True,
     )  # fmt: skip
 
 
@@ -78,7 +91,7 @@ class DistributedGPTNeoXModel(DistributedModule):
         _heads_seen.add(config.num_attention_heads)
         self.seq_layers = build_layers(config.num_hidden_layers, layer, _rotary(config),
                                        parallel=bool(config.use_parallel_residual), shared_layernorm=False,
-                                       dense_bias=bool(config.attention_bias))  # fmt: skip
+                                       dense_bias=_bias(config))  # fmt: skip
         self.embed_in, self.emb_dropout, self.final_layer_norm = hf.embed_in, hf.emb_dropout, hf.final_layer_norm
         if not any(p.is_meta for p in hf.parameters()):
             with torch.no_grad():
@@ -97,8 +110,8 @@ class DistributedGPTNeoXModel(DistributedModule):
                 past_key_values: Any = None, use_cache: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        refuse_unsupported("GPT-NeoX", past_key_values, output_attentions=kwargs.get("output_attentions"),
-                           output_hidden_states=kwargs.get("output_hidden_states"))  # fmt: skip
+        refuse_unsupported_inputs("GPT-NeoX", dict(kwargs, past_key_values=past_key_values, use_cache=use_cache,
+                                  attention_mask=attention_mask, position_ids=position_ids), packed_positions=True)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         h = self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds

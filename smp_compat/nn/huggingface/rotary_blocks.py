@@ -25,7 +25,7 @@ from smp_compat.nn.module import DistributedModule
 from smp_compat.nn.transformer import DistributedTransformerOutputLayer
 
 __all__ = ["RotaryEmbedding", "RotaryAttentionLayer", "MLPBranch", "RotaryTransformerLayer", "enter", "additive_mask",
-           "refuse_unsupported", "layer_options"]  # fmt: skip
+           "layer_options"]  # fmt: skip
 
 Inputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
@@ -187,16 +187,6 @@ def additive_mask(attention_mask: torch.Tensor | None, h: torch.Tensor) -> torch
         raise SMPUnsupportedError("a 4-D attention_mask in the tensor-parallel GPT-J/GPT-NeoX (pass the 2-D one)")
     keep = attention_mask.to(h.dtype)
     return ((1.0 - keep) * torch.finfo(h.dtype).min)[:, None, None, :]
-
-
-def refuse_unsupported(model: str, past_key_values: Any, **flags: Any) -> None:
-    """KV cache and per-layer outputs are not computed by the swapped stack: refuse rather than drop them. Even
-    an empty cache is refused: generation hands one in and would then feed only new tokens to a stack that
-    never filled it."""
-    asked = sorted(k for k, v in flags.items() if v)
-    if past_key_values is not None or asked:
-        what = ", ".join((["past_key_values (KV cache)"] if past_key_values is not None else []) + asked)
-        raise SMPUnsupportedError(f"{what} in the tensor-parallel {model}")
 
 
 def layer_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
