@@ -13,7 +13,7 @@ from smp_compat.cli.env import env_command
 from smp_compat.cli.plan import plan_command
 from smp_compat.cli.run import run_command
 from smp_compat.cli.timeline import timeline_command
-from smp_compat.selftest.launching import selftest_command
+from smp_compat.cli.selftest import selftest_command
 from smp_compat.errors import SMPError
 
 __all__ = ["COMMANDS", "Command", "main"]

@@ -6,8 +6,8 @@ script: under torchrun, with the shim and the config; under Slurm or MPI, ``smp-
 (data, pipeline, tensor and sharded data parallelism, 16-bit, activation checkpointing, checkpoints, and
 the user's own config), each against the same training in one process, and rank 0 prints the report.
 
-A top layer, like ``smp_compat.cli`` (whose ``run`` it launches through): nothing else in smp_compat imports
-it. One concern per module: ``launching`` (the command), ``worker`` (a rank's main), ``environment`` (the
+The layer just below ``smp_compat.cli``: only ``smp_compat.cli.selftest`` (the command, which launches this
+package through ``smp-compat run``'s launcher) imports it. One concern per module: ``worker`` (a rank's main), ``environment`` (the
 environment report), ``checks`` (the battery), ``models`` and ``training`` (what a check trains and how it
 compares), ``runner`` (running checks without one rank's failure hanging the others), ``report`` (table and
 JSON), ``faults`` (fault injection, for testing the selftest itself).

@@ -22,7 +22,7 @@ PACKAGE = Path(smp_compat.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
     "errors": 0,
-    "config": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1, "heap": 1,
+    "config": 1, "torch_floor": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1, "heap": 1,
     "globalstate": 2,
     "comm": 3, "ranks": 3,
     "stepping": 4, "partitioning": 4, "precision": 4, "checkpoints": 4,
@@ -30,7 +30,8 @@ LAYERS: dict[str, int] = {
     "runtime": 6, "nn": 6, "sdp": 6,
     "model": 7, "optimizer": 7, "amp": 7, "patches": 7,
     "__init__": 8, "shim": 8, "testing": 8,
-    "cli": 9,
+    "selftest": 9,
+    "cli": 10,
 }  # fmt: skip
 """Top-level module or folder -> layer. A new folder gets a line here (and one in docs/design.md's map)."""
 
