@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from smp_compat.cli.json_args import json_text
 from smp_compat.errors import SMPConfigError
 
 __all__ = ["FRAMEWORK_PREFIX", "env_value", "read_hyperparameters", "split_framework", "to_cmd_args"]
@@ -26,19 +26,7 @@ FRAMEWORK_PREFIX = "sagemaker_"
 
 def read_hyperparameters(value: str, source: str = "--hyperparameters") -> dict[str, Any]:
     """``--hyperparameters``: a JSON object, inline (starts with ``{``) or in a file."""
-    text = value
-    path = Path(value)
-    if not value.lstrip().startswith(("{", "[")):
-        if not path.is_file():
-            raise SMPConfigError(
-                f"{source} {value!r} is neither a JSON object (it does not start with '{{') nor an existing file. "
-                'Pass inline JSON such as \'{"epochs": 2, "lr": 0.001}\' or the path of a JSON file.'
-            )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SMPConfigError(f"Cannot read {source} file {value!r}: {exc}. Pass a readable JSON file.") from None
-        source = f"{source} file {value!r}"
+    text, source = json_text(value, source, '{"epochs": 2, "lr": 0.001}')
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from smp_compat.cli.estimator import Estimator, ignored_warning
+from smp_compat.cli.json_args import json_text
 from smp_compat.cli.job_options import JOB_VALUED, add_job_options, build_job
 from smp_compat.cli.run_job import ESTIMATOR_FLAG, job_environment, parse_argv, print_job, rewrite_notes
 from smp_compat.cli.sm_env import FRAMEWORK_ENV, TrainingJob, node_position, prepare_job_dirs
@@ -71,19 +72,8 @@ class LaunchConfig:
 
 def _load_config_value(value: str) -> tuple[Any, str]:
     """``--config`` is inline JSON when it starts with ``{``, else a path to a JSON file."""
-    if value.lstrip().startswith("{"):
-        return parse_json(value, "--config"), "--config"
-    path = Path(value)
-    if not path.is_file():
-        raise SMPConfigError(
-            f"--config {value!r} is neither a JSON object (it does not start with '{{') nor an existing file. "
-            "Pass inline JSON such as '{\"microbatches\": 2}' or the path of a JSON file."
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SMPConfigError(f"Cannot read --config file {value!r}: {exc}. Pass a readable JSON file.") from None
-    return parse_json(text, f"--config file {value!r}"), f"--config file {value!r}"
+    text, source = json_text(value, "--config", '{"microbatches": 2}')
+    return parse_json(text, source), source
 
 
 def _mpi_section(raw: Any) -> tuple[int | None, tuple[str, ...]]:
