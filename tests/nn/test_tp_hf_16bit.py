@@ -2,8 +2,9 @@
 
 The distributed layers are built at ``smp.DistributedModel``, after the dtype context closed; they used to be
 fp32 next to the model's 16-bit embeddings, and the first forward failed (``mat1 and mat2 must have the same
-dtype``). Each run is compared with a one-process run of stock Hugging Face under SMP's 16-bit semantics: the
-model in 16 bits, fp32 master weights stepped by the optimizer, fp16's loss scale.
+dtype``). Each run is compared with the 16-bit oracle (tests/oracle16.py): a one-process run of stock Hugging
+Face under SMP's 16-bit semantics (the model in 16 bits, fp32 master weights stepped by the optimizer, fp16's
+loss scale).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-
 import transformers  # the test extra installs it: these tests must run, not skip
+from oracle16 import build_16bit, train_16bit
 
-import tp_models as tm  # noqa: E402
-from smp_compat.testing import run_ranks  # noqa: E402
+import tp_models as tm
+from smp_compat.precision.fp16 import LossScaler
+from smp_compat.testing import run_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SCALE = 256.0  # fp16's static loss scale
@@ -64,30 +66,13 @@ def _train(kind: str, key: str, tp: int, delayed: bool, weights: dict[str, torch
 
 
 def _oracle(kind: str, key: str, weights: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, SMP's 16-bit semantics: stock HF built in 16 bits, SGD on fp32 masters, fp16's loss scale."""
-    dtype, scale = DTYPES[key], SCALE if key == "fp16" else 1.0
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as smp.model_creation(dtype=...) builds it
-    try:
-        model = MODELS[kind]()
-    finally:
-        torch.set_default_dtype(previous)
+    """The 16-bit oracle (tests/oracle16.py): stock HF built in 16 bits, SGD on fp32 masters, fp16's static scale."""
+    dtype = DTYPES[key]
+    model = build_16bit(MODELS[kind], dtype)
     model.load_state_dict(weights)
-    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.SGD(masters, lr=LR)
-    losses = []
-    for ids in tm.batches():
-        model.zero_grad()
-        loss = tm.hf_padded_loss(model, ids)
-        (loss.float() * scale).backward()
-        losses.append(loss.item())
-        for p, m in zip(model.parameters(), masters):
-            m.grad = p.grad.float() / scale
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
-                p.copy_(m)
-    return losses, {k: v.float() for k, v in model.state_dict().items()}
+    scaler = LossScaler.create(SCALE, False, None) if key == "fp16" else None
+    oracle = train_16bit(model, tm.batches(), tm.hf_padded_loss, lambda ps: torch.optim.SGD(ps, lr=LR), dtype, scaler)
+    return oracle.losses, {k: v.float() for k, v in model.state_dict().items()}  # tied names included
 
 
 @pytest.mark.parametrize(
