@@ -3,16 +3,20 @@
 The 2023 sharded-data-parallel notebooks (GPT-2, GPT-J, GPT-NeoX, Flan-T5, Falcon) all run one configuration:
 the model built under ``smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16)`` with the script's
 no-op ``init_weights``, ``bf16``, ``sharded_data_parallel_degree`` 2, delayed parameter initialization,
-activation checkpointing of every swapped transformer layer, SMP's distributed transformer (the swapped
-GPT-2), and sharded save / resume; GPT-J adds tensor parallelism. Each feature passed its own test in fp32
-while this combination trained the wrong model, so it is compared here, at sdp 2 and at tp 2 x sdp 2, with
-the 16-bit oracle (tests/oracle16.py: stock Hugging Face in bf16, fp32 masters, SMP's clipping at 1.0): the
-losses of every step (two, a sharded checkpoint, a new job that resumes it, one more) and the fp32 masters
-and bf16 weights after the last, at a bf16 tolerance.
+activation checkpointing of every transformer layer, SMP's distributed transformer (the swapped model), and
+sharded save / resume; GPT-J adds tensor parallelism, the fp16 variant SMP's dynamic loss scaler. Each feature
+passed its own test in fp32 while this combination trained the wrong model, so each case (``CASES``: swapped
+GPT-2 at sdp 2, tp 2 x sdp 2 and fp16 sdp 2, swapped GPT-J at tp 2 x sdp 2, swapped GPT-NeoX at sdp 2, and
+Hugging Face's own T5 at sdp 2, which smp_compat does not swap, with a parameter that never gets a gradient)
+is compared with the 16-bit oracle (tests/oracle16.py: stock Hugging Face in 16 bits, fp32 masters, SMP's
+clipping at 1.0 and loss scaler): the losses of every step (two, a sharded checkpoint, a new job that resumes
+it, one more), the loss scale, and the fp32 masters and 16-bit weights after the last, at a 16-bit tolerance.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import transformers  # the test extra installs it: these tests must run, not ski
 from oracle16 import TOLERANCE, build_16bit, train_16bit
 
 import tp_models as tm
+from smp_compat.precision.fp16 import LossScaler
 from smp_compat.testing import run_ranks
 
 SPLIT, STEPS = 2, 3  # save after SPLIT steps; the resumed job runs the rest
@@ -29,12 +34,75 @@ SPLIT, STEPS = 2, 3  # save after SPLIT steps; the resumed job runs the rest
 # values near 1) would hide updates rounded away by bf16 masters. Measured: the fix moves them within 0.52
 # (sdp 2) and 0.78 (tp 2 x sdp 2) of this tolerance; bf16 masters (before issue 26) miss it 5-fold.
 UPDATE_RTOL, UPDATE_ATOL = 3e-2, 4e-4
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# AWS's fp16 notebooks: SMP's dynamic scaler with these arguments; init_scale 2**12 (SMP's 2**32 would skip the
+# first ~20 steps, and this run has 3)
+FP16_SCALING = {"static_loss_scale": None, "dynamic_loss_scale": True,
+                "dynamic_loss_args": {"init_scale": 2.0**12, "scale_window": 1000, "min_scale": 1, "delayed_shift": 2}}  # fmt: skip
+_SMALL = {"vocab_size": tm.VOCAB, "bos_token_id": 0, "eos_token_id": 0}
 
 
 def _gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=tm.VOCAB, n_positions=4 * tm.SEQ, n_embd=tm.HIDDEN, n_layer=2, n_head=tm.HEADS, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))  # fmt: skip
+        n_positions=4 * tm.SEQ, n_embd=tm.HIDDEN, n_layer=2, n_head=tm.HEADS, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, **_SMALL))  # fmt: skip
+
+
+def _gptj() -> torch.nn.Module:
+    return transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        n_positions=4 * tm.SEQ, n_embd=tm.HIDDEN, n_layer=2, n_head=2, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, **_SMALL))  # fmt: skip
+
+
+def _gptneox() -> torch.nn.Module:
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        max_position_embeddings=4 * tm.SEQ, hidden_size=tm.HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False,
+        hidden_dropout=0.0, attention_dropout=0.0, **_SMALL))  # fmt: skip
+
+
+def _t5() -> torch.nn.Module:
+    """Flan-T5's shape (gated GELU, untied head), with AWS's flash attention's ``relative_attention_bias`` in every
+    block: stock T5 uses only block 0's, so the later ones never get a gradient (no optimizer state to resume)."""
+    config = transformers.T5Config(
+        d_model=tm.HIDDEN, d_kv=tm.HIDDEN // tm.HEADS, d_ff=2 * tm.HIDDEN, num_layers=2, num_heads=tm.HEADS,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+        decoder_start_token_id=0, pad_token_id=0, **_SMALL)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    for stack in (model.encoder, model.decoder):
+        for block in stack.block[1:]:
+            block.layer[0].SelfAttention.relative_attention_bias = torch.nn.Embedding(8, tm.HEADS)
+    return model
+
+
+def _t5_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Sequence to sequence on the padded batch: the labels are the inputs reversed. ``use_cache=False`` as Hugging
+    Face's own checkpointing forces: with T5's default cache the decoder's cross-attention reuses the k / v its
+    first forward cached, so the checkpointed recomputation saves fewer tensors and torch raises CheckpointError."""
+    mask = tm.padded_inputs(ids)["attention_mask"]
+    return model(input_ids=ids, attention_mask=mask, labels=ids.flip(1), use_cache=False).loss
+
+
+@dataclass(frozen=True)
+class Case:
+    """One flagship combination: the model, the tp degree (sdp is 2), the 16-bit key, the tie to check."""
+
+    make: Callable[[], torch.nn.Module]
+    tp: int = 1
+    key: str = "bf16"
+    loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = tm.hf_padded_loss
+    tied: tuple[str, str] | None = None  # (head, embedding) that must stay one tensor
+    swapped: bool = True  # smp_compat has no T5 swap: tensor parallelism requested, the plain modules train
+
+
+CASES = {
+    "gpt2-bf16-sdp2": Case(_gpt2, tied=("lm_head.weight", "transformer.wte.weight")),
+    "gpt2-bf16-tp2xsdp2": Case(_gpt2, tp=2, tied=("lm_head.weight", "transformer.wte.weight")),
+    "gpt2-fp16-sdp2": Case(_gpt2, key="fp16", tied=("lm_head.weight", "transformer.wte.weight")),
+    "gptj-bf16-tp2xsdp2": Case(_gptj, tp=2),
+    "gptneox-bf16-sdp2": Case(_gptneox),
+    "t5-bf16-sdp2": Case(_t5, loss=_t5_loss, swapped=False),
+}
 
 
 def _sgd(params: Any) -> torch.optim.Optimizer:
@@ -42,29 +110,36 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _pretrained() -> dict[str, torch.Tensor]:
-    """The bf16 weights both sides start from (a pre-trained checkpoint: delayed init replays other values)."""
+def _pretrained(case: Case) -> dict[str, torch.Tensor]:
+    """The 16-bit weights both sides start from (a pre-trained checkpoint: delayed init replays other values)."""
     torch.manual_seed(0)
-    return build_16bit(_gpt2, torch.bfloat16).state_dict()
+    return build_16bit(case.make, DTYPES[case.key]).state_dict()
 
 
-def _job(smp: Any, tp: int) -> tuple[Any, Any]:
-    """The notebook's setup: no-op init_weights, model_creation(bf16), swap, checkpointing, optimizer."""
-    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": tp, "bf16": True,
+def _checkpointed_layers(root: torch.nn.Module, case: Case) -> list[torch.nn.Module]:
+    """Every swapped transformer layer, or every T5 block of both stacks."""
+    if case.swapped:
+        return list(root.base_model.seq_layers.children())
+    return [*root.encoder.block, *root.decoder.block]
+
+
+def _job(smp: Any, case: Case) -> tuple[Any, Any]:
+    """The notebook's setup: no-op init_weights, model_creation(16 bits), swap, checkpointing, optimizer."""
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": case.tp, case.key: True,
               "delayed_parameter_initialization": True})  # fmt: skip
     transformers.PreTrainedModel.init_weights = lambda self: None  # AWS's train.py (a forked rank: local)
-    with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16):
-        hf = _gpt2()
+    with smp.model_creation(tensor_parallelism=True, dtype=DTYPES[case.key]):
+        hf = case.make()
     model = smp.DistributedModel(hf)
-    for layer in model.get_module().transformer.seq_layers.children():
+    for layer in _checkpointed_layers(model.get_module(), case):
         smp.set_activation_checkpointing(layer)
-    return model, smp.DistributedOptimizer(_sgd(model.parameters()))
+    return model, smp.DistributedOptimizer(_sgd(model.parameters()), **(FP16_SCALING if case.key == "fp16" else {}))
 
 
-def _train(smp: Any, model: Any, opt: Any, start: int, stop: int) -> list[float]:
+def _train(smp: Any, case: Case, model: Any, opt: Any, start: int, stop: int) -> list[float]:
     @smp.step
     def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = tm.hf_padded_loss(model, ids)
+        loss = case.loss(model, ids)
         model.backward(loss)
         return loss
 
@@ -77,42 +152,69 @@ def _train(smp: Any, model: Any, opt: Any, start: int, stop: int) -> list[float]
     return losses
 
 
-def _flagship(tp: int, directory: str, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _flagship(name: str, directory: str, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     import smp_compat as smp
-    from smp_compat.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+    from smp_compat.nn.huggingface import to_hf_format
     from smp_compat.sdp.state_dicts import full_model_state_dict
 
     torch.set_num_threads(1)
-    model, opt = _job(smp, tp)
+    case = CASES[name]
+    model, opt = _job(smp, case)
     model.load_state_dict(weights)  # Hugging Face's names, translated into the swapped, sharded model
-    losses = _train(smp, model, opt, 0, SPLIT)
+    losses = _train(smp, case, model, opt, 0, SPLIT)
     smp.save_checkpoint(directory, "flagship", partial=True, model=model, optimizer=opt)
     smp.reset()
-    model, opt = _job(smp, tp)  # a new job resumes
+    model, opt = _job(smp, case)  # a new job resumes
     smp.resume_from_checkpoint(directory, tag="flagship", partial=True)
-    losses += _train(smp, model, opt, SPLIT, STEPS)
+    losses += _train(smp, case, model, opt, SPLIT, STEPS)
+    root = model.get_module()
     return {
-        "losses": losses, "swapped": hasattr(model.get_module().transformer, "seq_layers"),
-        "masters": translate_state_dict_to_hf_gpt2(full_model_state_dict(model)),
-        "weights": translate_state_dict_to_hf_gpt2(model.state_dict()),
+        "losses": losses, "swapped": hasattr(root.base_model, "seq_layers"),
+        "masters": dict(to_hf_format(root, full_model_state_dict(model))),
+        "weights": dict(to_hf_format(root, model.state_dict())),
+        "scale": opt.loss_scale if case.key == "fp16" else None,
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["sdp2", "tp2xsdp2"])
-def test_bf16_sdp_swapped_gpt2_delayed_checkpointed_resumed_matches_the_oracle(tp: int, tmp_path: Path) -> None:
-    weights = _pretrained()
-    model = build_16bit(_gpt2, torch.bfloat16)
+def _oracle(case: Case, weights: dict[str, torch.Tensor]) -> tuple[Any, float | None]:
+    """The oracle's run (sdp_gradient_clipping's 1.0) and its loss scale after the last step (fp16)."""
+    dtype = DTYPES[case.key]
+    model = build_16bit(case.make, dtype)
     model.load_state_dict(weights)
-    oracle = train_16bit(model, tm.batches(STEPS), tm.hf_padded_loss, _sgd, torch.bfloat16, clip=1.0)
-    rtol, atol = TOLERANCE[torch.bfloat16]
-    for r in run_ranks(_flagship, 2 * tp, tp, str(tmp_path), weights, timeout=240):
-        assert r["swapped"]
+    scaler = None
+    if case.key == "fp16":
+        scaler = LossScaler.create(1.0, True, dict(FP16_SCALING["dynamic_loss_args"]))
+    oracle = train_16bit(model, tm.batches(STEPS), case.loss, _sgd, dtype, scaler, clip=1.0)
+    return oracle, scaler.scale if scaler is not None else None
+
+
+# transformers 5 ties T5's encoder / decoder embed_tokens to ``shared`` only in init_weights (4.x passed the
+# embedding to each stack); the notebook's no-op init_weights leaves three separate embeddings, and smp_compat
+# re-ties only models it swapped (tying.tie_swapped_heads). shared.weight then never moves; with
+# hf.tie_weights() in the job the case matches the oracle.
+_T5_UNTIED = pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
+    "non-swapped Hugging Face models are not re-tied after a no-op init_weights: T5's shared / encoder / decoder "
+    "embeddings train as three tensors"))  # fmt: skip
+PARAMS = [pytest.param(c, marks=_T5_UNTIED) if c.startswith("t5") else c for c in CASES]
+
+
+@pytest.mark.parametrize("case_id", PARAMS)
+def test_16bit_sdp_flagship_delayed_checkpointed_resumed_matches_the_oracle(case_id: str, tmp_path: Path) -> None:
+    case = CASES[case_id]
+    weights = _pretrained(case)
+    oracle, scale = _oracle(case, weights)
+    dtype = DTYPES[case.key]
+    rtol, atol = TOLERANCE[dtype]
+    for r in run_ranks(_flagship, 2 * case.tp, case_id, str(tmp_path), weights, timeout=240):
+        assert r["swapped"] == case.swapped
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(oracle.losses), rtol=rtol, atol=atol)
+        assert r["scale"] == scale  # fp16: the scaler's state survived the resume
         for name, master in oracle.masters.items():
             start = weights[name].float()
-            assert r["masters"][name].dtype == torch.float32 and r["weights"][name].dtype == torch.bfloat16
+            assert r["masters"][name].dtype == torch.float32 and r["weights"][name].dtype == dtype
             torch.testing.assert_close(r["masters"][name] - start, master - start, rtol=UPDATE_RTOL, atol=UPDATE_ATOL,
                                        msg=lambda m: f"{name}: {m}")  # fmt: skip
             torch.testing.assert_close(r["weights"][name], oracle.weights[name], rtol=rtol, atol=atol,
                                        msg=lambda m: f"{name}: {m}")  # fmt: skip
-        assert torch.equal(r["weights"]["lm_head.weight"], r["weights"]["transformer.wte.weight"])  # tied
+        if case.tied is not None:
+            assert torch.equal(r["weights"][case.tied[0]], r["weights"][case.tied[1]])
