@@ -38,10 +38,10 @@ def swap_modules(root: nn.Module) -> nn.Module:
         return replaced
     before = {id(m) for m in root.modules()}
     _visit(root, "", counts)
-    if "transformers" in sys.modules:  # Hugging Face ties its head in init_weights, which scripts may skip
-        from smp_compat.nn.huggingface import tie_swapped_heads
+    if "transformers" in sys.modules:  # Hugging Face ties in init_weights, which SMP scripts make a no-op
+        from smp_compat.nn.huggingface.tying import tie_as_configured
 
-        tie_swapped_heads(root)
+        tie_as_configured(root)
     if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
                     "Hugging Face GPT-2, GPT-Neo, GPT-J, GPT-NeoX, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",

@@ -188,17 +188,9 @@ def _oracle(case: Case, weights: dict[str, torch.Tensor]) -> tuple[Any, float | 
     return oracle, scaler.scale if scaler is not None else None
 
 
-# transformers 5 ties T5's encoder / decoder embed_tokens to ``shared`` only in init_weights (4.x passed the
-# embedding to each stack); the notebook's no-op init_weights leaves three separate embeddings, and smp_compat
-# re-ties only models it swapped (tying.tie_swapped_heads). shared.weight then never moves; with
-# hf.tie_weights() in the job the case matches the oracle.
-_T5_UNTIED = pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
-    "non-swapped Hugging Face models are not re-tied after a no-op init_weights: T5's shared / encoder / decoder "
-    "embeddings train as three tensors"))  # fmt: skip
-PARAMS = [pytest.param(c, marks=_T5_UNTIED) if c.startswith("t5") else c for c in CASES]
 
 
-@pytest.mark.parametrize("case_id", PARAMS)
+@pytest.mark.parametrize("case_id", CASES)
 def test_16bit_sdp_flagship_delayed_checkpointed_resumed_matches_the_oracle(case_id: str, tmp_path: Path) -> None:
     case = CASES[case_id]
     weights = _pretrained(case)

@@ -12,10 +12,9 @@ from typing import Any
 
 from torch import nn
 
-from smp_compat.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox, roberta, tying
+from smp_compat.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox, roberta
 
-__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "roberta", "to_hf_format", "from_hf_translator", "register_all",
-           "tie_swapped_heads"]
+__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
 
 # swapped class -> (to HF, from HF, a key pattern only HF's layout has)
 _TRANSLATORS = (
@@ -39,11 +38,6 @@ def register_all() -> None:
     gptj.register()
     gptneox.register()
     bert.register()
-
-
-def tie_swapped_heads(root: nn.Module) -> None:
-    """After the swap: the models holding a built-in swap get their LM head tied as their config says."""
-    tying.tie_swapped_heads(root, tuple(cls for cls, *_ in _TRANSLATORS))
 
 
 def _swapped(root: nn.Module) -> list[tuple[Any, ...]]:

@@ -1,10 +1,13 @@
-"""The LM head of a swapped Hugging Face model is tied as ``config.tie_word_embeddings`` says, at the swap.
+"""Every Hugging Face model reaches ``smp.DistributedModel`` tied as its config says.
 
-Hugging Face ties the output embedding to the input embedding inside ``PreTrainedModel.init_weights``. AWS's
-SMP scripts replace ``init_weights`` by a no-op before building the model (SMP replaced the whole model by its
-own, whose LM head was the embedding matrix), so the model reaches ``smp.DistributedModel`` untied. The swap
-keeps Hugging Face's head and embedding modules, so it ties them itself with Hugging Face's own
-``tie_weights()``, which reads the config (and nothing else of ``init_weights``).
+Hugging Face ties weights (the LM head to the input embedding where ``config.tie_word_embeddings`` says so;
+in transformers 5 also T5's encoder and decoder ``embed_tokens`` to ``shared``) inside
+``PreTrainedModel.init_weights``. AWS's SMP scripts replace ``init_weights`` by a no-op before building the
+model (SMP replaced the model by its own, whose LM head was the embedding matrix, and transformers 4 passed
+T5's embedding to both stacks), so the model would arrive untied and train two or three copies of one
+matrix. ``DistributedModel`` therefore calls Hugging Face's own ``tie_weights()``, which reads the config and
+nothing else of ``init_weights``, on each outermost transformers model, swapped or not. A model that is
+already tied is left as it is.
 """
 
 from __future__ import annotations
@@ -13,12 +16,11 @@ import sys
 
 from torch import nn
 
-__all__ = ["tie_swapped_heads"]
+__all__ = ["tie_as_configured"]
 
 
-def tie_swapped_heads(root: nn.Module, swapped: tuple[type, ...]) -> None:
-    """``tie_weights()`` on each outermost transformers model under ``root`` that holds a module of a class in
-    ``swapped``: its head becomes its embedding's weight where the config says to tie, else nothing changes."""
+def tie_as_configured(root: nn.Module) -> None:
+    """``tie_weights()`` on each outermost transformers ``PreTrainedModel`` under ``root`` (``root`` included)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     pretrained = getattr(modeling, "PreTrainedModel", None)
     if pretrained is None:
@@ -26,8 +28,7 @@ def tie_swapped_heads(root: nn.Module, swapped: tuple[type, ...]) -> None:
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, pretrained):
-            if any(isinstance(m, swapped) for m in module.modules()):
-                module.tie_weights()
+            module.tie_weights()
             return
         for child in module.children():
             visit(child)
