@@ -16,7 +16,11 @@ from smp_compat.globalstate import state
 
 __all__ = ["build_mesh", "shard_dim_mesh"]
 
-_cache: dict[tuple[int, int, int, str], DeviceMesh] = {}
+_cache: dict[tuple[int, int, str], tuple[object, DeviceMesh]] = {}
+"""``(rdp size, sdp, device type) -> (the smp.init it belongs to, its mesh)``. The launch object itself is kept
+and compared by identity: keyed by ``id()``, a re-init's new launch object could reuse the freed old one's
+address on some ranks only, which then skipped the collective group creation the others waited in (a hang,
+about 1 run in 6 of a re-init at tp 2 x sdp 2)."""
 
 
 def build_mesh() -> DeviceMesh:
@@ -35,17 +39,20 @@ def build_mesh() -> DeviceMesh:
             "collectives on CUDA tensors need NCCL, and NCCL needs one GPU per process (over gloo the process "
             "crashed, measured on an H100). Start one process per GPU, or run on the CPU (CUDA_VISIBLE_DEVICES=)."
         )
-    key = (id(state.launch), len(members), sdp, state.device.type)  # a new smp.init gets new groups
-    if key not in _cache and topo.tp_size > 1:
-        _cache[key] = _tp_mesh(sdp)
-    if key not in _cache:
-        reps = len(members) // sdp
-        ranks = torch.tensor(members, dtype=torch.int64)
-        if reps == 1:
-            _cache[key] = DeviceMesh(state.device.type, ranks, mesh_dim_names=("sdp_shard",))
-        else:
-            _cache[key] = DeviceMesh(state.device.type, ranks.view(reps, sdp), mesh_dim_names=("sdp_rep", "sdp_shard"))
-    return _cache[key]
+    key = (len(members), sdp, state.device.type)
+    cached = _cache.get(key)
+    if cached is None or cached[0] is not state.launch:  # a new smp.init gets new groups, on every rank
+        _cache[key] = (state.launch, _tp_mesh(sdp) if topo.tp_size > 1 else _dp_mesh(members, sdp))
+    return _cache[key][1]
+
+
+def _dp_mesh(members: list[int], sdp: int) -> DeviceMesh:
+    """Without tensor parallelism: the rdp group as ``(sdp_rep, sdp_shard)``, or ``(sdp_shard,)`` alone."""
+    reps = len(members) // sdp
+    ranks = torch.tensor(members, dtype=torch.int64)
+    if reps == 1:
+        return DeviceMesh(state.device.type, ranks, mesh_dim_names=("sdp_shard",))
+    return DeviceMesh(state.device.type, ranks.view(reps, sdp), mesh_dim_names=("sdp_rep", "sdp_shard"))
 
 
 def _tp_mesh(sdp: int) -> DeviceMesh:
