@@ -42,4 +42,3 @@ def env_command(argv: list[str]) -> int:
         args = shlex.join(job.script_args())
         print(f"# the hyperparameters as script arguments (append them to the command): {args}")
     return 0
-
