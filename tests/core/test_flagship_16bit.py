@@ -66,6 +66,15 @@ def _gptneox() -> torch.nn.Module:
         hidden_dropout=0.0, attention_dropout=0.0, **_SMALL))  # fmt: skip
 
 
+def _gptneox_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``hf_padded_loss`` with positions below the sequence length: transformers 4's GPT-NeoX looks them up in a
+    rotary table as long as the sequence (per sample, by content: reversed or not)."""
+    inputs = tm.padded_inputs(ids)
+    forward = torch.arange(ids.shape[1])
+    inputs["position_ids"] = torch.where(ids[:, :1] % 3 == 1, forward.flip(0), forward)
+    return model(**inputs, labels=ids).loss
+
+
 def _t5() -> torch.nn.Module:
     """Flan-T5's shape (gated GELU, untied head), with AWS's flash attention's ``relative_attention_bias`` in every
     block: stock T5 uses only block 0's, so the later ones never get a gradient (no optimizer state to resume)."""
@@ -113,10 +122,10 @@ CASES = {
     "gpt2-bf16-tp2xsdp2": Case(_gpt2, tp=2, tied=("lm_head.weight", "transformer.wte.weight")),
     "gpt2-fp16-sdp2": Case(_gpt2, key="fp16", tied=("lm_head.weight", "transformer.wte.weight")),
     "gptj-bf16-tp2xsdp2": Case(_gptj, tp=2),
-    "gptneox-bf16-sdp2": Case(_gptneox, flags=_NEOX_FLAGS),
-    "gptneox-bf16-sdp4": Case(_gptneox, sdp=4, flags=_NEOX_FLAGS),
-    "gptneox-fp32-sdp2": Case(_gptneox, key="fp32", flags=_NEOX32_FLAGS),
-    "gptneox-fp32-sdp4": Case(_gptneox, key="fp32", sdp=4, flags=_NEOX32_FLAGS),
+    "gptneox-bf16-sdp2": Case(_gptneox, loss=_gptneox_loss, flags=_NEOX_FLAGS),
+    "gptneox-bf16-sdp4": Case(_gptneox, loss=_gptneox_loss, sdp=4, flags=_NEOX_FLAGS),
+    "gptneox-fp32-sdp2": Case(_gptneox, loss=_gptneox_loss, key="fp32", flags=_NEOX32_FLAGS),
+    "gptneox-fp32-sdp4": Case(_gptneox, loss=_gptneox_loss, key="fp32", sdp=4, flags=_NEOX32_FLAGS),
     "t5-bf16-sdp2": Case(_t5, loss=_t5_loss, swapped=False),
 }
 
