@@ -196,9 +196,13 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         ("partitioned", _S, "", ""),
         *((name, _S, "", "") for name in (
             "local_parameters", "local_named_parameters", "local_buffers", "local_named_buffers",
-            "local_modules", "local_named_modules", "get_module", "is_local_parameter", "is_local_buffer",
+            "local_modules", "local_named_modules", "is_local_parameter", "is_local_buffer",
             "get_param_name", "register_post_partition_hook", "register_post_step_hook",
         )),
+        ("get_module", _S, "The user's module. A swapped Hugging Face model also answers to SMP's paths for every "
+         "model type: transformer (the swapped body; GPT-NeoX's gpt_neox, BERT / RoBERTa's encoder) and its "
+         "seq_layers, each layer with attention and output; the layer list also under Hugging Face's name (h, "
+         "layers, layer). Unregistered references: state_dict keys and named_parameters stay Hugging Face's.", ""),
         ("module", _P, "The user's module itself: SMP had its DDP and 16-bit wrappers in between.",
          "Write model.get_module() for the user's module (it works in both) instead of model.module.module chains."),
         ("state_dict", _S, "Collective over the pipeline stages, as in SMP. Under sharded data parallelism: real "

@@ -35,6 +35,7 @@ def swap_modules(root: nn.Module) -> nn.Module:
     counts = _param_use_counts(root)
     replaced = _maybe_replace(root, "", counts)
     if replaced is not None:
+        _add_smp_paths(replaced)
         return replaced
     before = {id(m) for m in root.modules()}
     _visit(root, "", counts)
@@ -42,12 +43,21 @@ def swap_modules(root: nn.Module) -> nn.Module:
         from smp_compat.nn.huggingface.tying import tie_as_configured
 
         tie_as_configured(root)
+    _add_smp_paths(root)
     if registry.requested and before == {id(m) for m in root.modules()} and not distributed_modules(root):
         log.warning("smp_compat: tensor parallelism was requested but %s has no supported module (built in: "
                     "Hugging Face GPT-2, GPT-Neo, GPT-J, GPT-NeoX, BERT, RoBERTa; others via smp.tp_register); it runs with its plain modules",
                     type(root).__name__)  # fmt: skip
     registry.requested = False  # consumed: one model per process, and tests that build several stay independent
     return root
+
+
+def _add_smp_paths(root: nn.Module) -> None:
+    """SMP's ``transformer.seq_layers`` path on swapped Hugging Face models (``huggingface/paths.py``)."""
+    if "transformers" in sys.modules:
+        from smp_compat.nn.huggingface.paths import add_smp_paths
+
+        add_smp_paths(root)
 
 
 def _visit(parent: nn.Module, prefix: str, counts: dict[int, int]) -> None:
