@@ -68,7 +68,8 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     # 1. The command line.
     args = parse_run_argv(argv)
     ns, estimator = args.ns, args.estimator
-    # 2. The SMP config: --config, the estimator's distribution or an inherited SM_HP_MP_PARAMETERS.
+    # 2. The SMP config (--config, the estimator's distribution, an inherited SM_HP_MP_PARAMETERS); its major
+    #    version picks the part of the launch that checks it, exports it and shows its layout.
     launch = choose_launch_config(ns.config, estimator, env)
     smp = resolve_smp(launch)
     # 3. The SageMaker job.
@@ -78,8 +79,7 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     # 4. torchrun: the command and the variables every process gets.
     script, *script_args = args.script
     command = [sys.executable, "-m", "torch.distributed.run", *options, script, *job.script_args(), *script_args]
-    env_updates = launch_environment(smp, env)
-    job_environment(job, estimator, env, env_updates)
+    env_updates = job_environment(job, estimator, env, launch_environment(smp, env))
     env_updates.update(_option_variables(ns, env))
     return LaunchPlan(
         command=command,

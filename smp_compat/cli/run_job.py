@@ -90,20 +90,21 @@ def working_directory(job: TrainingJob, estimator: Estimator | None) -> str | No
 
 
 def job_environment(
-    job: TrainingJob, estimator: Estimator | None, env: Mapping[str, str], base: dict[str, str]
-) -> None:
-    """Add the SM_* variables, the sagemaker_* framework hyperparameters and the estimator's environment."""
-    base.update(training_environment(job, env))
+    job: TrainingJob, estimator: Estimator | None, env: Mapping[str, str], launch_env: Mapping[str, str]
+) -> dict[str, str]:
+    """The launch's variables plus the SM_* ones, the sagemaker_* framework hyperparameters and the estimator's."""
+    out = {**launch_env, **training_environment(job, env)}
     framework = split_framework(job.hyperparameters)[1]
     if framework:
-        base[FRAMEWORK_ENV] = json.dumps({**json.loads(base[FRAMEWORK_ENV]), **framework})
+        out[FRAMEWORK_ENV] = json.dumps({**json.loads(out[FRAMEWORK_ENV]), **framework})
     if estimator is None:
-        return
+        return out
     if estimator.dependencies:
-        base["PYTHONPATH"] = os.pathsep.join([*(str(d) for d in estimator.dependencies), base["PYTHONPATH"]])
+        out["PYTHONPATH"] = os.pathsep.join([*(str(d) for d in estimator.dependencies), out["PYTHONPATH"]])
     for name, value in estimator.environment.items():
         if name not in env:
-            base[name] = value
+            out[name] = value
+    return out
 
 
 def rewrite_notes(job: TrainingJob) -> list[str]:
