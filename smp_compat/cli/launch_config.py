@@ -64,10 +64,6 @@ class SMPLaunch(Protocol):
         """What SM_HP_MP_PARAMETERS carries to every process (None: nothing, the script's own dict decides)."""
         ...
 
-    def framework_parameters(self) -> dict[str, Any]:
-        """The ``sagemaker_*`` settings SageMaker's container gets for this SMP (added to SM_FRAMEWORK_PARAMS)."""
-        ...
-
     def world_size_problem(self, world_size: int, nnodes: int | None, nproc_per_node: int | None) -> str | None:
         """The config checked against the world size, as a message (None when fine)."""
         ...
@@ -179,13 +175,10 @@ def resolve_smp(launch: LaunchConfig) -> SMPLaunch:
 
 
 def launch_environment(smp: SMPLaunch, environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables the launched processes get on top of ``environ``: config, framework params, shim path.
-
-    ``SM_FRAMEWORK_PARAMS`` keeps what is already set and adds the SMP version's settings.
-    """
+    """The variables the launched processes get on top of ``environ``: config, framework params, shim path."""
     env = {
         "PYTHONPATH": pythonpath_with_shim(environ.get("PYTHONPATH")),
-        FRAMEWORK_ENV: json.dumps({**_json_dict(environ.get(FRAMEWORK_ENV)), **smp.framework_parameters()}),
+        FRAMEWORK_ENV: json.dumps(_framework_params(environ.get(FRAMEWORK_ENV))),
         "PYTHONWARNINGS": _with_warning_filter(environ.get("PYTHONWARNINGS")),
     }
     parameters = smp.exported_parameters()
@@ -199,10 +192,12 @@ def _with_warning_filter(current: str | None) -> str:
     return f"{current},{_NUMPY_NOTICE}" if current else _NUMPY_NOTICE
 
 
-def _json_dict(current: str | None) -> dict[str, Any]:
-    """The framework params already set, kept when they are a JSON dict."""
+def _framework_params(current: str | None) -> dict[str, Any]:
+    """Keep any framework params already set (when they are a JSON dict) and turn MPI on."""
     try:
         params = json.loads(current) if current else {}
     except json.JSONDecodeError:
         params = {}
-    return params if isinstance(params, dict) else {}
+    if not isinstance(params, dict):
+        params = {}
+    return {**params, "sagemaker_mpi_enabled": True}

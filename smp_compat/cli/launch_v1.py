@@ -52,10 +52,6 @@ class V1Launch:
             return None
         return {**self.launch.parameters, "partitions": self.config.pipeline_parallel_degree}
 
-    def framework_parameters(self) -> dict[str, Any]:
-        """SMP v1 runs under MPI on SageMaker; Hugging Face's Trainer takes its SMP path only when this says so."""
-        return {"sagemaker_mpi_enabled": True}
-
     def world_size_problem(self, world_size: int, nnodes: int | None, nproc_per_node: int | None) -> str | None:
         """The degrees checked against the world size (nothing to check when the script's dict decides)."""
         if self.launch.parameters is None:

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from smp_compat.checkpoints.load_policy import TRUST_ENV, trust_value
 from smp_compat.cli.launch_config import LaunchConfig, SMPLaunch, choose_launch_config, launch_environment, resolve_smp
-from smp_compat.cli.run_args import (
-    NNODES_OPTIONS, NPROC_OPTIONS, local_world_size, node_count, option_value, parse_run_argv,
-)  # fmt: skip
+from smp_compat.cli.run_args import NNODES_OPTIONS, NPROC_OPTIONS, local_world_size, node_count, option_value
+from smp_compat.cli.run_args import parse_run_argv
 from smp_compat.cli.run_job import (
     job_environment, local_job, print_job, process_counts, rewrite_notes, working_directory,
 )  # fmt: skip

@@ -77,9 +77,7 @@ def local_job(
         node_rank = int(rank) if rank.isdigit() else None
     count, index = node_position(env, nnodes, node_rank)
     entry = None if ns.module or ns.no_python else Path(ns.training_script).resolve()
-    return build_job(
-        ns, env, nnodes=count, node_rank=index, num_gpus=num_gpus(), entry_point=entry, estimator=estimator
-    )
+    return build_job(ns, env, nnodes=count, node_rank=index, num_gpus=num_gpus(), entry_point=entry, estimator=estimator)
 
 
 def working_directory(job: TrainingJob, estimator: Estimator | None) -> str | None:
