@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,9 @@ def _option(command: list[str], name: str) -> str:
 
 def test_estimator_defines_script_processes_nodes_and_hyperparameters(job: Path) -> None:
     path = _write(job, hyperparameters={"epochs": 2, "fp16": True}, distribution=DISTRIBUTION, instance_count=1,
-                  instance_type="ml.p4d.24xlarge", inputs={"train": "data"}, environment={"MY_VAR": "1"},
-                  container_log_level=10)  # fmt: skip
-    plan = plan_launch(["--job-dir", str(job / "out"), "--estimator", path], environ={})
+                  instance_type="ml.p4d.24xlarge", inputs={"train": "data"}, environment={"MY_VAR": "1", "KEPT": "x"},
+                  container_log_level=10, dependencies=["data"])  # fmt: skip
+    plan = plan_launch(["--job-dir", str(job / "out"), "--estimator", path], environ={"KEPT": "mine"})
     script = str(job / "code" / "train.py")
     assert plan.command[-5:] == [script, "--epochs", "2", "--fp16", "True"]
     assert _option(plan.command, "--nproc-per-node") == "2"  # mpi.processes_per_host before the instance's 8 GPUs
@@ -51,6 +52,8 @@ def test_estimator_defines_script_processes_nodes_and_hyperparameters(job: Path)
     assert plan.env_updates["SM_MODULE_DIR"] == str(job / "code") and plan.cwd == str(job / "code")
     assert plan.env_updates["SM_CURRENT_INSTANCE_TYPE"] == "ml.p4d.24xlarge"
     assert plan.env_updates["MY_VAR"] == "1" and plan.env_updates["SM_LOG_LEVEL"] == "10"
+    assert "KEPT" not in plan.env_updates  # a variable already exported wins over the estimator's
+    assert plan.env_updates["PYTHONPATH"].split(os.pathsep)[0] == str(job / "data")  # dependencies first
     assert plan.notes == ()
 
 
