@@ -161,8 +161,49 @@ def optim_state_dict_to_load(
 ) -> dict[str, Any]:
     """``FSDP.optim_state_dict_to_load``: load ``osd`` into ``optim``, return what ``optim.load_state_dict`` takes."""
     options, _ = _options(facade_state(root), for_load=True)
+    if not options.full_state_dict:
+        osd = _sharded_tensors_to_dtensors(model, osd)
     set_optimizer_state_dict(model, optim, osd, options=options)
     return optim.state_dict()
+
+
+def _sharded_tensors_to_dtensors(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
+    """``load_sharded_optimizer_state_dict`` returns ShardedTensors chunked over the job (it predates
+    DTensor layouts); each becomes a DTensor in its parameter's layout. Every rank joins each gather."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    params = dict(_named_tensors(model))
+    state = {}
+    for fqn, entries in osd.get("state", {}).items():
+        target = params.get(fqn)
+        state[fqn] = {
+            k: _as_layout(v, target) if isinstance(v, ShardedTensor) else v for k, v in entries.items()
+        }
+    return {**osd, "state": state}
+
+
+def _as_layout(st: Any, target: torch.Tensor | None) -> torch.Tensor:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    shards = st.local_shards()
+    size = st.size()
+    group = st._process_group
+    device = shards[0].tensor.device if shards else torch.device(dist.distributed_c10d._get_pg_default_device(group))
+    local = shards[0].tensor if shards else torch.empty((0, *size[1:]), dtype=st.dtype, device=device)
+    mesh = DeviceMesh.from_group(group, device.type)
+    full = DTensor.from_local(local, mesh, [Shard(0)], shape=size, stride=_contiguous_stride(size)).full_tensor()
+    if isinstance(target, DTensor):
+        return _piece_of(full.to(target.device), target)
+    return full
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(size):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
 
 
 def _to_cpu(value: Any) -> Any:
