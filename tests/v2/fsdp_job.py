@@ -146,16 +146,15 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def use_test_mesh(hybrid_shard_degree: int, tp: int = 1, local_world_size: int | None = None) -> Callable[[], None]:
-    """Before v2core's tsm.init: the root mesh ("rep", "shard", "cp", "tp") as the design file lays it out."""
-    from torch.distributed.device_mesh import init_device_mesh
+def init_v2(hybrid_shard_degree: int, tp: int = 1, local_world_size: int | None = None) -> None:
+    """``tsm.init`` as a fresh job would run it (a second call in one test process starts over)."""
+    import os
 
-    from smp_compat.v2 import fsdp
+    import torch.sagemaker as tsm
 
-    world = dist.get_world_size()
-    dp = world // tp
-    shard = dp if hybrid_shard_degree == 0 else hybrid_shard_degree
-    mesh = init_device_mesh("cpu", (dp // shard, shard, 1, tp), mesh_dim_names=("rep", "shard", "cp", "tp"))
-    fsdp.install()
-    fsdp.use_context(fsdp.Context(hybrid_shard_degree, tp, 1, mesh, local_world_size or world))
-    return lambda: fsdp.use_context(None)
+    from smp_compat.v2.state import reset
+
+    reset()
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    tsm.init({"hybrid_shard_degree": hybrid_shard_degree, "tensor_parallel_degree": tp})

@@ -39,20 +39,21 @@ def _reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _job(h: int, strategy: str, local_world: int) -> dict[str, Any]:
-    done = fsdp_job.use_test_mesh(h, local_world_size=local_world)
-    try:
-        model = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama(), strategy=strategy)
-        opt = fsdp_job.adamw(model)
-        losses = fsdp_job.train_steps(model, opt, dist.get_rank(), range(fsdp_job.STEPS))
-        inner = model._checkpoint_wrapped_module
-        return {
-            "layout": (model.world_size, inner._smp_fsdp.layout.shard_degree, model.sharding_strategy.name),
-            "rank": (model.rank, dist.get_rank(model.process_group)),
-            "losses": losses,
-            "params": fsdp_job.full_params(model),
-        }
-    finally:
-        done()
+    import torch.sagemaker as tsm
+
+    fsdp_job.init_v2(h, local_world_size=local_world)
+    model = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama(), strategy=strategy)
+    opt = fsdp_job.adamw(model)
+    losses = fsdp_job.train_steps(model, opt, dist.get_rank(), range(fsdp_job.STEPS))
+    inner = model._checkpoint_wrapped_module
+    return {
+        "layout": (model.world_size, inner._smp_fsdp.layout.shard_degree, model.sharding_strategy.name),
+        "rank": (model.rank, dist.get_rank(model.process_group)),
+        "resolved": tsm.state.resolved_hybrid_shard_degree,
+        "action": tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0,
+        "losses": losses,
+        "params": fsdp_job.full_params(model),
+    }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -64,6 +65,9 @@ def test_layout_matches_one_process(name: str) -> None:
         assert res["layout"] == expected, f"rank {r}"
         assert res["rank"][0] == res["rank"][1], f"rank {r}: model.rank is not its rank in model.process_group"
         assert res["params"] == {} or r == 0, f"rank {r}: rank0_only full state dict not empty"
+        assert res["resolved"] == expected[0], f"rank {r}: tsm.state's FSDP group size"
+        # the scripts' checkpoint writers: replica 0 of every FSDP group (at hybrid shard 1: every rank)
+        assert res["action"] == (r < expected[0] or expected[1] == 1), f"rank {r}"
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses), rtol=0, atol=TOL)
     params = results[0]["params"]
     assert params.keys() == ref_params.keys()  # Hugging Face names: no _fsdp / _checkpoint_wrapped_module parts

@@ -17,10 +17,10 @@ build (the constructor), broadcast (sync_module_states), state_dicts, patches (t
 from __future__ import annotations
 
 from smp_compat.v2.fsdp.build import facade_state
-from smp_compat.v2.fsdp.context import Context, current, use_context
+from smp_compat.v2.fsdp.context import Context, current
 from smp_compat.v2.fsdp.patches import install, installed
 
-__all__ = ["Context", "current", "use_context", "install", "installed", "facade_state", "is_facade"]
+__all__ = ["Context", "current", "install", "installed", "facade_state", "is_facade"]
 
 
 def is_facade(module: object) -> bool:

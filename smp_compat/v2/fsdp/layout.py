@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy
 
 from smp_compat.errors import SMPConfigError, SMPUnsupportedError
@@ -74,10 +74,10 @@ def resolve(ctx: Context, strategy: ShardingStrategy | None) -> FsdpLayout:
 
 
 def _fsdp_mesh(ctx: Context, rep: int, shard: int) -> DeviceMesh:
-    """The ("rep", "shard") slice of the root mesh, or (without tp/cp) a fresh mesh when the sizes differ."""
-    sizes = dict(zip(ctx.mesh.mesh_dim_names or (), ctx.mesh.mesh.shape))
+    """The ("rep", "shard") slice of the root mesh, or of ``tsm.state``'s mesh for another shard size (tp 1)."""
     if ctx.cp_size > 1:
         raise SMPUnsupportedError("context parallelism (context_parallel_degree > 1) with the FSDP façade")
+    sizes = dict(zip(ctx.mesh.mesh_dim_names or (), ctx.mesh.mesh.shape))
     if sizes.get("rep") == rep and sizes.get("shard") == shard:
         return ctx.mesh["rep", "shard"]
     if ctx.tp_size > 1:
@@ -86,4 +86,4 @@ def _fsdp_mesh(ctx: Context, rep: int, shard: int) -> DeviceMesh:
             f"tsm.init() built {sizes.get('rep')} x {sizes.get('shard')}: tensor-parallel parameters live on that "
             "mesh; set hybrid_shard_degree to the shard degree you want instead of relying on sharding_strategy."
         )
-    return init_device_mesh(ctx.mesh.device_type, (rep, shard), mesh_dim_names=("rep", "shard"))
+    return ctx.mesh_for(shard)["rep", "shard"]
