@@ -54,3 +54,63 @@ def test_tp2_equals_one_process(family: str) -> None:
         for name, value in ref_state.items():
             torch.testing.assert_close(r["state"][name], value, rtol=1e-4, atol=1e-4, msg=f"rank {rank} {name}")
     stock.load_state_dict(results[0]["state"], strict=True)  # the gathered state dict is a stock HF checkpoint
+
+
+def _meta_stays_meta() -> dict:
+    from smp_compat.v2.transform.api import tensor_parallelize
+
+    with torch.device("meta"):
+        model = th.build("llama")
+    tensor_parallelize(model, _tp_mesh(2))
+    q = model.model.layers[0].self_attn.q_proj.weight
+    return {
+        "all_meta": all(p.is_meta for p in model.parameters()),
+        "q_local": tuple(q.to_local().shape), "q_global": tuple(q.shape),
+    }  # fmt: skip
+
+
+def test_meta_parameters_stay_on_meta() -> None:
+    for r in run_ranks(_meta_stays_meta, 2, timeout=60):
+        assert r == {"all_meta": True, "q_local": (th.HIDDEN // 2, th.HIDDEN), "q_global": (th.HIDDEN, th.HIDDEN)}
+
+
+def _from_rank0(family: str) -> dict:
+    """Rank 0 holds the weights; every other rank built its model on meta (as AWS's fine-tuning path does)."""
+    from smp_compat.v2.transform.api import tensor_parallelize
+
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        model = th.build(family)
+    else:
+        with torch.device("meta"):
+            model = th.build(family, seed=rank)
+    tensor_parallelize(model, _tp_mesh(2), load_state_dict_from_rank0=True)
+    if rank >= 2:  # another tp group: left on meta for FSDP's sync_module_states
+        return {"all_meta": all(t.is_meta for t in model.state_dict().values())}
+    return {"state": th.full_state(model), "buffers": {k: v.clone() for k, v in model.named_buffers()}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_state_dict_from_rank0_reaches_the_tp_peers(world: int) -> None:
+    results = run_ranks(_from_rank0, world, "llama", timeout=90)
+    stock = th.build("llama")
+    for rank in (0, 1):
+        for name, value in stock.state_dict().items():
+            torch.testing.assert_close(results[rank]["state"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}")
+        for name, value in stock.named_buffers():  # rotary tables too (not in the state dict)
+            torch.testing.assert_close(results[rank]["buffers"][name], value, rtol=0, atol=0, msg=name)
+    assert all(r == {"all_meta": True} for r in results[2:])
+
+
+def _rank0_on_meta() -> None:
+    from smp_compat.v2.transform.api import tensor_parallelize
+
+    with torch.device("meta"):
+        model = th.build("llama")
+    tensor_parallelize(model, _tp_mesh(2), load_state_dict_from_rank0=True)
+
+
+def test_load_state_dict_from_rank0_refuses_rank0_on_meta() -> None:
+    with pytest.raises(AssertionError) as failure:  # RankFailure: both ranks raise, none hangs
+        run_ranks(_rank0_on_meta, 2, timeout=60)
+    assert str(failure.value).count("SMPConfigError: torch.sagemaker.transform(load_state_dict_from_rank0=True)") == 2
