@@ -12,7 +12,7 @@ import torch
 import transformers  # noqa: F401 - the test extra installs it
 
 import tp_helpers as th
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.errors import SMPConfigError, SMPNotInitializedError, SMPUnsupportedError
 from smp_compat.testing import run_ranks
 from smp_compat.v2.tensor_parallel.transformer import TransformerLayer
 from smp_compat.v2.transform.api import tensor_parallelize, transform
@@ -80,6 +80,22 @@ def _stock_fsdp1_wraps_the_layers() -> list[str]:
 def test_fsdp_auto_wrap_with_transformer_layer_wraps_each_decoder_layer() -> None:
     (names,) = run_ranks(_stock_fsdp1_wraps_the_layers, 1, timeout=60)
     assert [n.replace("_fsdp_wrapped_module.", "") for n in names] == ["", "gpt_neox.layers.0", "gpt_neox.layers.1"]
+
+
+def _transform_at_tp1() -> dict:
+    import torch.sagemaker as tsm
+    from torch.sagemaker import transform as imported
+
+    tsm.init({})
+    model = th.build("mistral")
+    return {"same": tsm.transform(model) is model, "function": imported is transform,
+            "marked": sum(isinstance(m, TransformerLayer) for m in model.modules())}  # fmt: skip
+
+
+def test_torch_sagemaker_transform_at_tp1_after_init() -> None:
+    with pytest.raises(SMPNotInitializedError, match="init"):
+        transform(th.build("llama"))
+    assert run_ranks(_transform_at_tp1, 1, timeout=60) == [{"same": True, "function": True, "marked": th.LAYERS}]
 
 
 def test_transformer_layer_is_not_built_directly() -> None:

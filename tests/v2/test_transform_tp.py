@@ -16,20 +16,21 @@ FAMILIES = ["llama", "llama3", "mistral", "gpt_neox"]
 NEW_ROPE = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 43)
 
 
-def _tp_mesh(tp: int):  # noqa: ANN202
-    from torch.distributed.device_mesh import init_device_mesh
+def _init_tp2() -> object:
+    """``tsm.init`` at tp 2 (world 2: tp only; world 4: tp 2 x shard 2); returns the ``torch.sagemaker`` module."""
+    import torch.sagemaker as tsm
 
     world = torch.distributed.get_world_size()
-    return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": world // 2})
+    return tsm
 
 
 def _train_tp2(family: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from smp_compat.v2.tensor_parallel.transformer import TransformerLayer
-    from smp_compat.v2.transform.api import tensor_parallelize
+    from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
-    model = tensor_parallelize(th.build(family), _tp_mesh(2))
+    model = _init_tp2().transform(th.build(family))
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     losses = th.train(model, th.batches())
@@ -57,11 +58,10 @@ def test_tp2_equals_one_process(family: str) -> None:
 
 
 def _meta_stays_meta() -> dict:
-    from smp_compat.v2.transform.api import tensor_parallelize
-
+    tsm = _init_tp2()
     with torch.device("meta"):
         model = th.build("llama")
-    tensor_parallelize(model, _tp_mesh(2))
+    tsm.transform(model)
     q = model.model.layers[0].self_attn.q_proj.weight
     return {
         "all_meta": all(p.is_meta for p in model.parameters()),
@@ -76,15 +76,14 @@ def test_meta_parameters_stay_on_meta() -> None:
 
 def _from_rank0(family: str) -> dict:
     """Rank 0 holds the weights; every other rank built its model on meta (as AWS's fine-tuning path does)."""
-    from smp_compat.v2.transform.api import tensor_parallelize
-
+    tsm = _init_tp2()
     rank = torch.distributed.get_rank()
     if rank == 0:
         model = th.build(family)
     else:
         with torch.device("meta"):
             model = th.build(family, seed=rank)
-    tensor_parallelize(model, _tp_mesh(2), load_state_dict_from_rank0=True)
+    tsm.transform(model, load_state_dict_from_rank0=True)
     if rank >= 2:  # another tp group: left on meta for FSDP's sync_module_states
         return {"all_meta": all(t.is_meta for t in model.state_dict().values())}
     return {"state": th.full_state(model), "buffers": {k: v.clone() for k, v in model.named_buffers()}}
@@ -103,11 +102,10 @@ def test_load_state_dict_from_rank0_reaches_the_tp_peers(world: int) -> None:
 
 
 def _rank0_on_meta() -> None:
-    from smp_compat.v2.transform.api import tensor_parallelize
-
+    tsm = _init_tp2()
     with torch.device("meta"):
         model = th.build("llama")
-    tensor_parallelize(model, _tp_mesh(2), load_state_dict_from_rank0=True)
+    tsm.transform(model, load_state_dict_from_rank0=True)
 
 
 def test_load_state_dict_from_rank0_refuses_rank0_on_meta() -> None:
