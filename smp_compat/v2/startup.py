@@ -62,6 +62,9 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     tracker = RNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, cfg.random_seed + layout.coords(rank).tp)
     state._initialize(cfg, layout, rank, mesh, rep_group, tracker, local_world)
+    from smp_compat.v2.fsdp import install  # the FSDP1 constructor serves the v2 layout from here on
+
+    install()
     install_sdpa_fallback()  # the scripts build their model after tsm.init()
     guard_real_fp8_autocast()
     if rank == 0:
