@@ -67,6 +67,16 @@ def test_dry_run_at_hybrid_shard_1_and_native_fsdp(tmp_path: Path, capsys: pytes
         assert expected in capsys.readouterr().out
 
 
+def test_env_exports_the_v2_parameters_and_torchrun_framework_params(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    config = json.dumps(_distribution(hybrid_shard_degree=2))
+    assert main(["env", "--job-dir", str(tmp_path), "--config", config]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "export SM_HP_MP_PARAMETERS='{\"hybrid_shard_degree\": 2}'" in lines
+    assert "export SM_FRAMEWORK_PARAMS='{\"sagemaker_torch_distributed_enabled\": true}'" in lines
+    assert any(line.startswith("export PYTHONPATH=") and "shim/site" in line for line in lines)
+
+
 def test_unmodified_v2_script_lines_run_under_smp_compat_run(tmp_path: Path) -> None:
     cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "--job-dir", str(tmp_path / "job"), "--config", json.dumps(_distribution(tensor_parallel_degree=2)),
