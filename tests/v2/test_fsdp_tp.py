@@ -9,6 +9,7 @@ dims of the same root mesh, so the full state dict is whole Hugging Face tensors
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import fsdp_job
@@ -29,7 +30,9 @@ def _job(h: int) -> dict[str, Any]:
     from torch.sagemaker.grad_norm import clip_grad_norm_
     from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
-    model = fsdp_job.wrap_as_scripts(tsm.transform(fsdp_job.tiny_llama()), layer=TransformerLayer)
+    # each rank starts from its own weights: transform takes tp rank 0's, sync_module_states dp rank 0's
+    model = tsm.transform(fsdp_job.tiny_llama(seed=dist.get_rank()))
+    model = fsdp_job.wrap_as_scripts(model, layer=TransformerLayer, sync_module_states=True)
     opt = fsdp_job.adamw(model)
     dp_rank, losses, norms = tsm.state.dp_rank, [], []
     for step in range(fsdp_job.STEPS):
@@ -61,7 +64,7 @@ def _reference_norms(dp: int) -> list[float]:
 
 
 @pytest.mark.parametrize("world", [4, 2], ids=["tp2xhsd2-world4", "tp2-world2"])
-def test_tp_under_fsdp_matches_one_process(world: int) -> None:
+def test_tp_under_fsdp_matches_one_process(world: int, tmp_path: Path) -> None:
     results = run_ranks(_job, world, world // 2, timeout=300)
     dp = world // 2
     ref_losses, ref_params = fsdp_job.reference_training(dp)
@@ -73,3 +76,8 @@ def test_tp_under_fsdp_matches_one_process(world: int) -> None:
     assert r0["params"].keys() == ref_params.keys()
     assert all(type(v) is torch.Tensor for v in r0["params"].values())
     assert fsdp_job.max_diff(r0["params"], ref_params) < TOL
+    # the scripts' final save (pytorch_model.bin + config) is a checkpoint stock transformers loads
+    torch.save(r0["params"], tmp_path / "pytorch_model.bin")
+    fsdp_job.tiny_llama().config.save_pretrained(tmp_path)
+    loaded = type(fsdp_job.tiny_llama()).from_pretrained(tmp_path)
+    assert fsdp_job.max_diff(loaded.state_dict(), r0["params"]) == 0.0
