@@ -83,9 +83,11 @@ def wrap_as_scripts(
     model: nn.Module,
     strategy: str = "hybrid_shard",
     mixed: Any = None,
+    layer: type | None = None,
     **extra: Any,
 ) -> nn.Module:
-    """train_lib.py's FSDP(...) call, activation checkpointing and offload_wrapper."""
+    """train_lib.py's FSDP(...) call, activation checkpointing and offload_wrapper; ``layer``: the wrap policy's
+    and checkpointing's class (the Hugging Face decoder layer; ``TransformerLayer`` after ``tsm.transform``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
@@ -96,7 +98,7 @@ def wrap_as_scripts(
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    layer = decoder_layer()
+    layer = layer or decoder_layer()
     model = FSDP(
         model,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer}),
