@@ -121,8 +121,8 @@ def wrap_as_scripts(
     layer: type | None = None,
     **extra: Any,
 ) -> nn.Module:
-    """train_lib.py's FSDP(...) call, activation checkpointing and offload_wrapper; ``layer``: the wrap policy's
-    and checkpointing's class (the Hugging Face decoder layer; ``TransformerLayer`` after ``tsm.transform``)."""
+    """train_lib.py's FSDP(...) call, activation checkpointing and offload_wrapper (``layer``: the decoder
+    layer class; the scripts pass SMP's TransformerLayer after ``tsm.transform``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,

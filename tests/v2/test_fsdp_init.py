@@ -104,6 +104,10 @@ def _refusals() -> list[str]:
             FSDP(fsdp_job.tiny_llama(), **kwargs)
         except SMPUnsupportedError as e:
             errors.append(str(e))
+    try:
+        FSDP.summon_full_params(fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama()))
+    except SMPUnsupportedError as e:
+        errors.append(str(e))
     return errors
 
 
@@ -119,7 +123,27 @@ def _stock_before_init() -> str:
 
 def test_refusals_name_the_feature_and_stock_fsdp_before_init() -> None:
     errors = run_ranks(_refusals, 1, timeout=120)[0]
-    assert len(errors) == 2
+    assert len(errors) == 3
     assert "size_based_auto_wrap_policy" in errors[0] and "transformer_auto_wrap_policy" in errors[0]
     assert "process_group" in errors[1] and "hybrid_shard_degree" in errors[1]
+    assert "summon_full_params" in errors[2] and "FULL_STATE_DICT" in errors[2]
     assert run_ranks(_stock_before_init, 2, timeout=120) == ["FullyShardedDataParallel"] * 2
+
+
+def _accumulate() -> float:
+    """Two microbatches, the first under FSDP1's ``model.no_sync()``; the norm from ``model.clip_grad_norm_``."""
+    fsdp_job.init_v2(2)
+    model = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama())
+    with model.no_sync():
+        fsdp_job._loss(model, fsdp_job.batch(0, dist.get_rank())).backward()
+    fsdp_job._loss(model, fsdp_job.batch(1, dist.get_rank())).backward()
+    return model.clip_grad_norm_(1.0).item()
+
+
+def test_no_sync_accumulates_and_clip_method_gives_the_global_norm() -> None:
+    model = fsdp_job.tiny_llama()
+    loss = sum(fsdp_job._loss(model, fsdp_job.batch(step, r)) for step in range(2) for r in range(2)) / 2
+    loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    for norm in run_ranks(_accumulate, 2, timeout=120):
+        assert norm == pytest.approx(expected, rel=1e-5)

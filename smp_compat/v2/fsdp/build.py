@@ -12,7 +12,9 @@ forward prefetching; ``backward_prefetch`` and ``limit_all_gathers`` are what FS
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,3 +185,22 @@ def _attach(module: nn.Module, layout: FsdpLayout, mp: MixedPrecision | None, un
     module.__dict__["world_size"] = dist.get_world_size(layout.process_group)
     module.__dict__["sharding_strategy"] = layout.strategy
     module.__dict__["mixed_precision"] = mp
+    module.__dict__["clip_grad_norm_"] = functools.partial(_clip_grad_norm, module)
+    module.__dict__["no_sync"] = functools.partial(_no_sync, module)
+
+
+def _clip_grad_norm(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """FSDP1's ``model.clip_grad_norm_``: the global norm over every shard and tp piece."""
+    from smp_compat.v2.grad_norm import clip_grad_norm_
+
+    return clip_grad_norm_(module, max_norm, norm_type)
+
+
+@contextlib.contextmanager
+def _no_sync(module: nn.Module) -> Iterator[None]:
+    """FSDP1's ``no_sync()``: accumulate gradients locally; the next backward outside it reduces them."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
