@@ -8,8 +8,9 @@ the same ranks, in the same run, in alternating rounds (so machine drift hits bo
   ``tsm.transform(model)``, then AWS's ``FullyShardedDataParallel(...)`` call (auto-wrap on
   ``TransformerLayer``, ``HYBRID_SHARD``, ``use_orig_params``, prefetch flags) and ``tsm``'s ``clip_grad_norm_``;
 - ``plain``: ``parallelize_module`` on each decoder layer over the tp slice of the same root mesh (q/k/v/gate/up
-  column-wise, o/down row-wise, the attention and MLP inputs prepared as replicated DTensors), ``fully_shard`` on each decoder layer then the root over its (rep, shard)
-  slice, and a hand-written global gradient norm (each DTensor piece counted once).
+  column-wise, o/down row-wise, the attention and MLP inputs prepared as replicated DTensors), ``fully_shard``
+  on each decoder layer then the root over its (rep, shard) slice, and a hand-written global gradient norm
+  (each DTensor piece counted once).
 
 Figures of merit: median over rounds of time(plain) / time(tsm), target >= 0.95; per-rank state bytes
 (local parameters, gradients, AdamW state) of tsm / plain, and with ``--rss`` the peak resident set each
@@ -85,10 +86,10 @@ def build_tsm(ns: argparse.Namespace, tsm: Any) -> tuple[nn.Module, Callable[[nn
     from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
     model = tsm.transform(_llama(ns))
-    model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                           transformer_layer_cls={TransformerLayer}),
-                 sharding_strategy=ShardingStrategy.HYBRID_SHARD, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-                 forward_prefetch=True, limit_all_gathers=True, device_id=_device(tsm), use_orig_params=True)  # fmt: skip
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
+    model = FSDP(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True, limit_all_gathers=True,
+                 device_id=_device(tsm), use_orig_params=True)  # fmt: skip
     return model, lambda m: clip_grad_norm_(m, 1.0)
 
 
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(p / t for p, t in zip(per_round["plain"], per_round["tsm"]))
     state = [r["state"]["tsm"] / r["state"]["plain"] for r in ranks]
     table = Table(title=f"SMP v2 step, world {ns.world} = tp {ns.tp} x shard {ns.world // ns.tp}, Llama "
-                        f"{ns.layers} x {ns.hidden}, vocab {ns.vocab}, {ns.batch} x {ns.seq} tokens per dp rank, fp32")  # fmt: skip
+                        f"{ns.layers} x {ns.hidden}, vocab {ns.vocab}, {ns.batch} x {ns.seq} tokens per dp rank, "
+                        "fp32")  # fmt: skip
     for col in ("variant", "median ms/step", "throughput vs plain", "state MiB (rank 0)"):
         table.add_column(col, justify="right")
     for name in VARIANTS:
