@@ -145,3 +145,17 @@ def test_import_only_classes_refuse_to_be_built(module: str, name: str) -> None:
     assert not isinstance(torch.nn.Linear(1, 1), cls)  # the scripts' isinstance checks work
     with pytest.raises(SMPUnsupportedError, match=f"torch.sagemaker.*{name} is not supported"):
         cls()
+
+
+@pytest.mark.parametrize(("key", "feature"), [("context_parallel_degree", "context parallelism"),
+                                              ("expert_parallel_degree", "expert parallelism")])  # fmt: skip
+def test_cp_and_ep_are_refused_by_name(monkeypatch: pytest.MonkeyPatch, key: str, feature: str) -> None:
+    """tsm.init refuses them today; transform keeps its own guard for when init accepts them (issue 35)."""
+    import types
+
+    from smp_compat.v2.transform import api
+
+    degrees = {"context_parallel_degree": 1, "expert_parallel_degree": 1, key: 2}
+    monkeypatch.setattr(api, "state", types.SimpleNamespace(initialized=True, tensor_parallel_degree=1, **degrees))
+    with pytest.raises(SMPUnsupportedError, match=f"{feature} \\({key}=2\\) is not supported yet"):
+        transform(th.build("llama"))
