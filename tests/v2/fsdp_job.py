@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -95,14 +95,15 @@ def reference_training(dp: int, steps: int = STEPS) -> tuple[list[float], dict]:
 
 
 @functools.cache
-def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS) -> tuple[list[float], dict]:
+def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS,
+                          make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> tuple[list[float], dict]:
     """One process doing what MixedPrecision(dtype, dtype, fp32 buffers) does: fp32 masters and optimizer,
     forward and backward in ``dtype`` per data-parallel rank, gradients summed in ``dtype`` within each shard
     group, then across replicas (HSDP's reduce-scatter, then all-reduce), divided by ``dp``, then fp32."""
     import copy
 
     master = tiny_llama()
-    opt = adamw(master)
+    opt = (make_opt or adamw)(master)
     losses = []
     for step in range(steps):
         work = copy.deepcopy(master)
