@@ -95,8 +95,10 @@ def reference_training(dp: int, steps: int = STEPS) -> tuple[list[float], dict]:
 
 
 @functools.cache
-def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS,
-                          make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> tuple[list[float], dict]:
+def reference_training_16(
+    dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS,
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+) -> tuple[list[float], dict]:  # fmt: skip
     """One process doing what MixedPrecision(dtype, dtype, fp32 buffers) does: fp32 masters and optimizer,
     forward and backward in ``dtype`` per data-parallel rank, gradients summed in ``dtype`` within each shard
     group, then across replicas (HSDP's reduce-scatter, then all-reduce), divided by ``dp``, then fp32."""
