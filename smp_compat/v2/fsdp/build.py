@@ -131,8 +131,8 @@ def _fully_shard_options(layout: FsdpLayout, mp: MixedPrecision | None, offload:
     if mp is not None:
         policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
     options: dict[str, Any] = {"mesh": layout.mesh, "mp_policy": policy}
-    if offload is not None and offload.offload_params:
-        options["offload_policy"] = CPUOffloadPolicy()
+    if offload is not None and offload.offload_params and layout.mesh.device_type != "cpu":
+        options["offload_policy"] = CPUOffloadPolicy()  # on a CPU job the parameters already live there
     return options
 
 
