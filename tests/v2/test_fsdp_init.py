@@ -111,6 +111,19 @@ def _refusals() -> list[str]:
     return errors
 
 
+def _lambda_policy_units() -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    from smp_compat.v2.fsdp import facade_state
+
+    fsdp_job.init_v2(1)
+    layer = fsdp_job.decoder_layer()
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, layer))
+    model = FSDP(fsdp_job.tiny_llama(), auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    return [type(u).__name__ for u in facade_state(model).units]
+
+
 def _stock_before_init() -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -128,6 +141,7 @@ def test_refusals_name_the_feature_and_stock_fsdp_before_init() -> None:
     assert "process_group" in errors[1] and "hybrid_shard_degree" in errors[1]
     assert "summon_full_params" in errors[2] and "FULL_STATE_DICT" in errors[2]
     assert run_ranks(_stock_before_init, 2, timeout=120) == ["FullyShardedDataParallel"] * 2
+    assert run_ranks(_lambda_policy_units, 1, timeout=120)[0] == ["FSDPLlamaDecoderLayer"] * 2
 
 
 def _accumulate() -> float:
