@@ -18,6 +18,7 @@ from rich.table import Table
 
 from smp_compat.cli.estimator import Estimator, ignored_warning
 from smp_compat.cli.json_args import json_text
+from smp_compat.cli.restarts import restart_environment
 from smp_compat.cli.job_options import JOB_VALUED, add_job_options, build_job
 from smp_compat.cli.run_job import ESTIMATOR_FLAG, job_environment, parse_argv, print_job, rewrite_notes
 from smp_compat.cli.sm_env import FRAMEWORK_ENV, TrainingJob, node_position, prepare_job_dirs
@@ -140,6 +141,7 @@ def launch_environment(launch: LaunchConfig, cfg: SMPConfig, environ: Mapping[st
     }
     if launch.parameters is not None:
         env[ENV_VAR] = json.dumps({**launch.parameters, "partitions": cfg.pipeline_parallel_degree})
+    env.update(restart_environment(environ))
     return env
 
 
