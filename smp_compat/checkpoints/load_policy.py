@@ -4,8 +4,8 @@ Loading is safe by default (``torch.load(weights_only=True)``), which refuses ev
 know. Scripts routinely keep their argparse arguments, numpy scalars, a numpy RNG state or their
 Hugging Face config in ``user_content``; those types only hold data, so they are allow-listed here
 (``DATA_ONLY``, and ``hf_configs`` for configs). Anything else (a function, a script's own class) loads
-from a job's own signed files (``signing``) or from files the user trusts, which the user
-says without editing the script: ``SMP_COMPAT_TRUST_CHECKPOINTS`` (``1`` for every file, or folders
+from a job's own signed files (``signing``) or from files the user trusts, which the user says
+without editing the script: ``SMP_COMPAT_TRUST_CHECKPOINTS`` (``1`` for every file, or folders
 separated by ``os.pathsep``), set by ``smp-compat run --trust-checkpoint DIR``.
 """
 

@@ -1,6 +1,6 @@
 """A keyed digest beside every file smp_compat saves, so a job's own checkpoints load in full, and only those.
 
-Safe loading refuses classes it does not know (a ``transformers`` config in ``user_content``), which
+Safe loading refuses classes that are not data (a class of the script in ``user_content``), which
 is right for a file from elsewhere and wrong for the file this job wrote an hour ago. At save, the
 file's HMAC-SHA256 under a per-user secret key goes into ``<file>.hmac``; at load, a file that safe
 loading refuses still loads in full when that digest verifies. A file smp_compat did not write, one
