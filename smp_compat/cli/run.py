@@ -129,7 +129,8 @@ def launch_config_from(raw: Any, source: str) -> LaunchConfig:
 
 
 def launch_environment(launch: LaunchConfig, cfg: SMPConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables the launched processes get on top of ``environ``: config, framework params, shim path.
+    """The variables the launched processes get on top of ``environ``: config, framework params, shim path,
+    and what makes torch elastic's restarts work (``restarts.py``).
 
     ``partitions`` (SMP's old name for the pipeline degree) is always added to the parameters: SageMaker's
     SDK required it, and Hugging Face's ``is_sagemaker_mp_enabled()`` looks for it.

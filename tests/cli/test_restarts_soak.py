@@ -55,22 +55,38 @@ def _mismatch(reference: dict[int, dict[str, Any]], result: dict[int, dict[str, 
     return None
 
 
+def _round(tmp_path: Path, i: int, reference: dict[int, dict[str, Any]]) -> tuple[str | None, int]:
+    """(why round ``i`` failed or None, how many times its port was taken before torchrun could bind it).
+
+    A static round's port comes from ``free_port``, which another process on a shared machine can take
+    before torchrun's agent binds it (EADDRINUSE before any worker starts): that round is started again
+    on another port, up to 3 times; any other failure counts.
+    """
+    for taken in range(4):
+        try:
+            result = _job(tmp_path, f"round{i}-{taken}", _rendezvous(i), "--die-at", str(DIE_AT))
+        except AssertionError as exc:  # the job failed or timed out: run_all's report
+            if "EADDRINUSE" in str(exc) and "exitcode: 17" not in str(exc) and taken < 3:
+                continue
+            return str(exc)[-1500:], taken
+        return _mismatch(reference, result), taken
+    raise AssertionError("not reached")
+
+
 def test_a_killed_rank_restarts_from_the_newest_checkpoint_every_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(launching, "TIMEOUT_S", 300)  # two attempts; ~25 s a round on a quiet 2-core machine
-    reference = _job(tmp_path, "uninterrupted", _rendezvous(0))
+    monkeypatch.setattr(launching, "TIMEOUT_S", 300)  # two attempts; 20-80 s a round on the shared 2-core machine
+    reference = _job(tmp_path, "uninterrupted", ["--standalone"])
     assert all(r["attempt"] == 0 and r["started_at"] == 0 and len(r["losses"]) == STEPS for r in reference.values())
-    failures, seconds = [], []
+    failures, seconds, ports_taken = [], [], 0
     for i in range(ROUNDS):
         start = time.monotonic()
-        try:
-            problem = _mismatch(reference, _job(tmp_path, f"round{i}", _rendezvous(i), "--die-at", str(DIE_AT)))
-        except AssertionError as exc:  # the job failed or timed out: run_all's report, last lines
-            problem = str(exc)[-1500:]
+        problem, taken = _round(tmp_path, i, reference)
         seconds.append(time.monotonic() - start)
+        ports_taken += taken
         if problem:
-            failures.append(f"round {i} ({' '.join(_rendezvous(i)[:1])}): {problem}")
+            failures.append(f"round {i} ({_rendezvous(i)[0]}): {problem}")
     print(f"restart rounds: {ROUNDS - len(failures)}/{ROUNDS} passed, {sum(seconds):.0f} s "
-          f"({min(seconds):.0f}-{max(seconds):.0f} s a round)")  # fmt: skip
+          f"({min(seconds):.0f}-{max(seconds):.0f} s a round; ports taken before launch: {ports_taken})")  # fmt: skip
     assert not failures, "\n".join(failures)
