@@ -28,7 +28,8 @@ from torch.serialization import get_safe_globals, safe_globals
 from smp_compat.checkpoints.hf_configs import config_classes
 
 __all__ = [
-    "DATA_ONLY", "TRUST_ENV", "TRUST_FLAG", "harmless_globals", "is_trusted", "allow_harmless", "refusal_message", "trust_value",
+    "DATA_ONLY", "TRUST_ENV", "TRUST_FLAG", "harmless_globals", "is_trusted", "allow_harmless", "refusal_message",
+    "trust_value",
 ]  # fmt: skip
 
 TRUST_ENV = "SMP_COMPAT_TRUST_CHECKPOINTS"

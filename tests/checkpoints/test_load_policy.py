@@ -1,9 +1,10 @@
 """Safe loading lets a job resume its own user_content: harmless types load, the rest when trusted (issue 10).
 
-A script's argparse Namespace, numpy scalars/dtypes/arrays, paths and Hugging Face configs load by default
-(test_data_only.py covers each data-only class); a script's own class in a file smp_compat did not write
-for this user (no valid keyed digest, see test_signing.py) loads only when the folder is trusted, through ``SMP_COMPAT_TRUST_CHECKPOINTS`` or
-``smp-compat run --trust-checkpoint DIR`` (no script edit), or with ``weights_only=False``.
+A script's argparse Namespace, numpy scalars/dtypes/arrays, paths and Hugging Face configs load by
+default (test_data_only.py covers each data-only class); a script's own class in a file smp_compat did not
+write for this user (no valid keyed digest, see test_signing.py) loads only when the folder is trusted,
+through ``SMP_COMPAT_TRUST_CHECKPOINTS`` or ``smp-compat run --trust-checkpoint DIR`` (no script edit), or
+with ``weights_only=False``.
 """
 
 from __future__ import annotations
