@@ -127,11 +127,20 @@ class _ReducingConfig(transformers.GPT2Config):
         return (opaque_function, ())
 
 
+def _in_transformers(cls: type) -> type:
+    """``cls`` as if transformers' GPT-2 configuration module defined it."""
+    cls.__module__ = "transformers.models.gpt2.configuration_gpt2"
+    return cls
+
+
 @pytest.mark.hf
 def test_config_classes_outside_transformers_or_with_their_own_rebuild_are_not_data() -> None:
-    assert is_data_only_config(transformers.GPT2Config)
+    assert is_data_only_config(transformers.GPT2Config) and is_data_only_config(transformers.GenerationConfig)
     assert not is_data_only_config(_ScriptConfig) and not is_data_only_config(_ReducingConfig)
-    assert not is_data_only_config(transformers.GPT2Model)  # a model, not a config
+    assert not is_data_only_config(_in_transformers(type("NotAConfig", (), {})))
+    setstate = _in_transformers(type("SetState", (transformers.GPT2Config,), {"__setstate__": lambda self, s: None}))
+    new = _in_transformers(type("New", (transformers.GPT2Config,), {"__new__": lambda cls: object.__new__(cls)}))
+    assert not is_data_only_config(setstate) and not is_data_only_config(new)
 
 
 @pytest.mark.parametrize(
