@@ -16,6 +16,8 @@ __all__ = [
     "DEFAULT_PORT",
     "LAUNCHERS",
     "LaunchEnv",
+    "SHARE_STORE_ENV",
+    "attempt_prefix",
     "detect_launch",
     "expand_slurm_nodelist",
 ]
@@ -25,6 +27,10 @@ DEFAULT_PORT = 29760
 
 LAUNCHERS: tuple[str, ...] = ("torchrun", "mpi", "slurm", "none")
 """Launchers recognised, in detection order."""
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torch elastic's switch: ``1`` gives every c10d rendezvous round a fresh store for the workers
+(``smp-compat run`` and ``smp-compat env`` set it; docs/design.md, "Restarts")."""
 
 _LOOPBACK = "127.0.0.1"
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -401,3 +407,20 @@ def _expand_env_nodelist(var: str, nodelist: str) -> list[str]:
         return expand_slurm_nodelist(nodelist)
     except SMPConfigError as error:
         raise SMPConfigError(f"Environment variable {var}: {error}") from None
+
+
+def attempt_prefix(env: Mapping[str, str]) -> str | None:
+    """The store prefix a restarted torchrun attempt's process group needs, or None when it needs none.
+
+    Under a static rendezvous (torchrun's default) the workers' store is the agent's, kept across restarts
+    with every key the failed attempt wrote, so a restarted rank can read a dead rank's address
+    (pytorch/pytorch#135712). Keys under a prefix naming the attempt cannot collide. The restart count is
+    the same on every node only when restarts follow failures alone: one agent, or a static rendezvous
+    (the agent store with ``SHARE_STORE_ENV=1``, which gives c10d rendezvous a fresh store instead).
+    """
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not count.isdigit() or int(count) == 0:
+        return None
+    if env.get("GROUP_WORLD_SIZE") == "1" or env.get(SHARE_STORE_ENV) == "1":
+        return f"smp_compat/attempt{int(count)}/"
+    return None

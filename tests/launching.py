@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ROOT", "TIMEOUT_S", "clean_env", "free_port", "run_all", "smp_compat_command"]
+__all__ = ["ROOT", "TIMEOUT_S", "clean_env", "fresh_container_env", "free_port", "run_all", "smp_compat_command"]
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 90
@@ -33,6 +33,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.update(extra)
+    return env
+
+
+def fresh_container_env(home: Path, **extra: str) -> dict[str, str]:
+    """``clean_env`` as a restarted pod or spot instance sees it: an empty home, no checkpoint key, nothing exported.
+
+    The job's own checkpoints then carry digests no key here verifies (issue 33): they must load as data.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    env = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), **extra)
+    env.pop("SMP_COMPAT_CHECKPOINT_KEY_FILE", None)
+    env.pop("SMP_COMPAT_TRUST_CHECKPOINTS", None)
     return env
 
 

@@ -1,16 +1,19 @@
 """What a checkpoint file may hold when it loads: harmless types always, anything from a trusted folder.
 
 Loading is safe by default (``torch.load(weights_only=True)``), which refuses every class it does not
-know. Scripts routinely keep their argparse arguments, numpy scalars or a numpy RNG state in
-``user_content``; those types only hold data, so they are allow-listed here. Anything else (a
-``transformers`` config, a script's own class) loads only from files the user trusts, which the user
-says without editing the script: ``SMP_COMPAT_TRUST_CHECKPOINTS`` (``1`` for every file, or folders
+know. Scripts routinely keep their argparse arguments, numpy scalars, a numpy RNG state or their
+Hugging Face config in ``user_content``; those types only hold data, so they are allow-listed here
+(``DATA_ONLY``, and ``hf_configs`` for configs). Anything else (a function, a script's own class) loads
+from a job's own signed files (``signing``) or from files the user trusts, which the user says
+without editing the script: ``SMP_COMPAT_TRUST_CHECKPOINTS`` (``1`` for every file, or folders
 separated by ``os.pathsep``), set by ``smp-compat run --trust-checkpoint DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import functools
 import os
 import pathlib
@@ -22,8 +25,11 @@ from typing import Any
 
 from torch.serialization import get_safe_globals, safe_globals
 
+from smp_compat.checkpoints.hf_configs import config_classes
+
 __all__ = [
-    "TRUST_ENV", "TRUST_FLAG", "harmless_globals", "is_trusted", "allow_harmless", "refusal_message", "trust_value",
+    "DATA_ONLY", "TRUST_ENV", "TRUST_FLAG", "harmless_globals", "is_trusted", "allow_harmless", "refusal_message",
+    "trust_value",
 ]  # fmt: skip
 
 TRUST_ENV = "SMP_COMPAT_TRUST_CHECKPOINTS"
@@ -34,12 +40,24 @@ _TRUST_NONE = frozenset({"0", "false", "no", "off"})
 SafeGlobal = Callable[..., Any] | tuple[Callable[..., Any], str]
 
 
+DATA_ONLY: tuple[SafeGlobal, ...] = (
+    argparse.Namespace,  # object.__new__ + __dict__ update
+    frozenset, range, slice,  # built from their items / bounds
+    pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath,  # cls(*parts)
+    datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone,  # cls(fields)
+    collections.OrderedDict, collections.Counter,  # cls(items); torch allows both already
+    collections.ChainMap,  # object.__new__ + __dict__ update ({"maps": [...]})
+)  # fmt: skip
+"""The one allow-list of data-only classes (docs/checkpoints.md says why each is safe to rebuild); numpy's
+are added when numpy is installed, and Hugging Face configs are found per file (``hf_configs``).
+``collections.defaultdict`` and ``deque`` are not here: torch's safe unpickler cannot fill them (they load
+when signed)."""
+
+
 @functools.cache
 def harmless_globals() -> tuple[SafeGlobal, ...]:
-    """Classes and functions that only rebuild data: argparse.Namespace, plain values, numpy scalars/arrays."""
-    found: list[SafeGlobal] = [argparse.Namespace, frozenset, range, slice]
-    found += [pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath]
-    return tuple(found) + _numpy_globals()
+    """``DATA_ONLY`` plus numpy's scalars, arrays and dtypes."""
+    return DATA_ONLY + _numpy_globals()
 
 
 def _numpy_globals() -> tuple[SafeGlobal, ...]:
@@ -64,10 +82,15 @@ def _numpy_globals() -> tuple[SafeGlobal, ...]:
 
 
 @contextmanager
-def allow_harmless() -> Iterator[None]:
-    """Allow the harmless globals for the loads inside, leaving the user's own allow-list as it was."""
+def allow_harmless(path: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Allow the harmless globals for the loads inside, leaving the user's own allow-list as it was.
+
+    With ``path``, also the data-only Hugging Face config classes that file names (``hf_configs``): the
+    hook for every loader of a job's own files (SMP v1 and v2 formats alike).
+    """
     present = set(get_safe_globals())
-    added = [g for g in harmless_globals() if g not in present]
+    extra = tuple(config_classes(path)) if path is not None else ()
+    added = [g for g in harmless_globals() + extra if g not in present]
     with safe_globals(added):
         yield
 
@@ -108,7 +131,7 @@ def refusal_message(path: str | os.PathLike[str], error: BaseException, folder: 
 def _what_was_refused(error: BaseException) -> str:
     """torch's key sentence (``Unsupported global: GLOBAL x.Y was not an allowed global by default``)."""
     text = str(error)
-    match = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", text)
+    match = re.search(r"WeightsUnpickler error:\s*(.*?)(?: Please use|\n|$)", text)
     if match:
         return match.group(1).strip()
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__

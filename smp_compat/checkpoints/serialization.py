@@ -22,6 +22,7 @@ import torch
 from smp_compat.errors import CheckpointError, SMPError
 from smp_compat.globalstate import state
 from smp_compat.checkpoints import signing
+from smp_compat.checkpoints.hf_configs import config_classes
 from smp_compat.checkpoints.load_policy import allow_harmless, is_trusted, refusal_message
 
 __all__ = [
@@ -99,8 +100,7 @@ def safe_load(
         if not weights_only:
             return torch.load(path, map_location=map_location, weights_only=False, **kw)
         try:
-            with allow_harmless():
-                return torch.load(path, map_location=map_location, weights_only=True, **kw)
+            return _load_data_only(path, map_location, **kw)
         except pickle.UnpicklingError as exc:
             if not is_refusal(exc):
                 raise
@@ -109,6 +109,18 @@ def safe_load(
                 return torch.load(io.BytesIO(signed), map_location=map_location, weights_only=False, **kw)
             folder = trust_folder if trust_folder is not None else Path(path).parent
             raise CheckpointError(refusal_message(path, exc, folder)) from exc
+
+
+def _load_data_only(path: Any, map_location: Any, **kw: Any) -> Any:
+    """A safe load with the harmless types; refused, once more with the data-only configs the file names."""
+    try:
+        with allow_harmless():
+            return torch.load(path, map_location=map_location, weights_only=True, **kw)
+    except pickle.UnpicklingError as exc:
+        if not is_refusal(exc) or not isinstance(path, (str, os.PathLike)) or not config_classes(path):
+            raise
+    with allow_harmless(path):
+        return torch.load(path, map_location=map_location, weights_only=True, **kw)
 
 
 def _signed_bytes(path: Any) -> bytes | None:

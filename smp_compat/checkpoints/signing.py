@@ -1,6 +1,6 @@
 """A keyed digest beside every file smp_compat saves, so a job's own checkpoints load in full, and only those.
 
-Safe loading refuses classes it does not know (a ``transformers`` config in ``user_content``), which
+Safe loading refuses classes that are not data (a class of the script in ``user_content``), which
 is right for a file from elsewhere and wrong for the file this job wrote an hour ago. At save, the
 file's HMAC-SHA256 under a per-user secret key goes into ``<file>.hmac``; at load, a file that safe
 loading refuses still loads in full when that digest verifies. A file smp_compat did not write, one
@@ -26,8 +26,8 @@ from typing import Any, BinaryIO
 
 from smp_compat.errors import CheckpointError
 
-__all__ = ["KEY_ENV", "SUFFIX", "DigestingWriter", "digest_path", "existing_key", "key_path", "new_mac", "user_key",
-           "verifies"]
+__all__ = ["KEY_ENV", "SUFFIX", "DigestingWriter", "digest_path", "describe_key", "existing_key", "key_path", "new_mac",
+           "user_key", "verifies"]
 
 KEY_ENV = "SMP_COMPAT_CHECKPOINT_KEY_FILE"
 """The key file's path, when the default in the user's config directory will not do."""
@@ -45,6 +45,20 @@ def key_path(environ: Mapping[str, str] | None = None) -> Path:
         return Path(env[KEY_ENV].strip()).expanduser()
     config = env.get("XDG_CONFIG_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".config")
     return Path(config) / "smp_compat" / "checkpoint.key"
+
+
+def describe_key(environ: Mapping[str, str] | None = None) -> str:
+    """Where the key is, where that came from and whether it exists: a restart in a fresh container that
+    makes a new key cannot verify the job's own digests (its data-only files still load)."""
+    env = os.environ if environ is None else environ
+    path = key_path(env)
+    if env.get(KEY_ENV, "").strip():
+        source = f"from {KEY_ENV}"
+    else:
+        source = "in $XDG_CONFIG_HOME" if env.get("XDG_CONFIG_HOME", "").strip() else "in the home folder"
+        source += f": if homes are not kept across restarts, set {KEY_ENV} to persistent storage or a secret mount"
+    state = "exists" if path.is_file() else "not made yet: the first save makes it"
+    return f"{path} ({state}; {source})"
 
 
 def _read_key(path: Path) -> bytes:

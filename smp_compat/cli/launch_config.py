@@ -18,6 +18,7 @@ from smp_compat.cli.estimator import Estimator
 from smp_compat.cli.json_args import json_text
 from smp_compat.cli.launch_v1 import V1Launch
 from smp_compat.cli.launch_v2 import V2Launch
+from smp_compat.cli.restarts import restart_environment
 from smp_compat.cli.sm_env import FRAMEWORK_ENV
 from smp_compat.config import ENV_VAR, extract_mp_parameters, parse_json
 from smp_compat.errors import SMPConfigError
@@ -182,7 +183,8 @@ def resolve_smp(launch: LaunchConfig) -> SMPLaunch:
 
 
 def launch_environment(smp: SMPLaunch, environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables the launched processes get on top of ``environ``: config, framework params, shim path."""
+    """The variables the launched processes get on top of ``environ``: config, framework params, shim path,
+    and what makes torch elastic's restarts work (``restarts.py``)."""
     env = {
         "PYTHONPATH": pythonpath_with_shim(environ.get("PYTHONPATH")),
         FRAMEWORK_ENV: json.dumps(_framework_params(environ.get(FRAMEWORK_ENV), smp.launch.major)),
@@ -191,6 +193,7 @@ def launch_environment(smp: SMPLaunch, environ: Mapping[str, str]) -> dict[str, 
     parameters = smp.exported_parameters()
     if parameters is not None:
         env[ENV_VAR] = json.dumps(parameters)
+    env.update(restart_environment(environ))
     return env
 
 

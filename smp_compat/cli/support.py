@@ -65,8 +65,9 @@ class Entry:
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
 _LINEAR_FIX = "Build the layer as smp.nn.DistributedLinear(in_features, out_features), or smp.tp_register a module."
 _SAFE_LOAD = (
-    "Safe loading (tensors, containers, argparse.Namespace, numpy scalars); other objects from trusted folders "
-    "(SMP_COMPAT_TRUST_CHECKPOINTS, smp-compat run --trust-checkpoint) or with weights_only=False."
+    "Safe loading (tensors, containers, argparse.Namespace, numpy values, paths, dates, Hugging Face configs: "
+    "no key needed); other objects from the job's own signed files, trusted folders (SMP_COMPAT_TRUST_CHECKPOINTS, "
+    "smp-compat run --trust-checkpoint) or with weights_only=False."
 )
 _Row = tuple  # (name, status, note, action[, group])
 

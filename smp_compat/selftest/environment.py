@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from smp_compat.checkpoints.signing import describe_key
+
 __all__ = ["Environment", "RankInfo", "collect"]
 
 _SHIM_MODULE = "smdistributed.modelparallel.torch"
@@ -36,6 +38,7 @@ class RankInfo:
     nccl_env: dict[str, str]
     versions: dict[str, str | None]
     bf16: bool
+    checkpoint_key: str
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def _this_rank(smp: Any) -> RankInfo:
     nccl_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
     bf16 = device.type == "cpu" or torch.cuda.is_bf16_supported()
     return RankInfo(smp.rank(), socket.gethostname(), smp.local_rank(), smp.local_size(), str(device), name, gpus,
-                    nccl_env, _versions(), bf16)  # fmt: skip
+                    nccl_env, _versions(), bf16, describe_key())  # fmt: skip
 
 
 def _backend_reason(smp: Any, ranks: list[RankInfo]) -> str:
@@ -159,6 +162,8 @@ def collect(smp: Any) -> Environment:
     notes = []
     if len({tuple(sorted(i.nccl_env.items())) for i in ranks}) > 1:
         notes.append("ranks differ in their NCCL_* variables (see the JSON report)")
+    if len({i.checkpoint_key.split(" (")[0] for i in ranks}) > 1:
+        notes.append("ranks use different checkpoint keys (see the JSON report): each verifies only its own saves")
     if any(i.versions != ranks[0].versions for i in ranks):
         notes.append("ranks differ in package versions (see the JSON report): rank 0's are shown")
     return Environment(ranks[0].versions, smp.size(), backend, _backend_reason(smp, ranks), _pipeline_links(backend),

@@ -123,6 +123,7 @@ def print_environment(env: Environment) -> None:
     console.print(f"backend: {env.backend} ({env.backend_reason}); every smp group uses it")
     console.print(f"pipeline links: {env.pipeline_links}")
     console.print(f"shim: {env.shim}")
+    console.print(f"checkpoint key (rank 0): {env.ranks[0].checkpoint_key}")
     nccl = env.ranks[0].nccl_env
     console.print("NCCL variables: " + (" ".join(f"{k}={v}" for k, v in nccl.items()) if nccl else "none set"))
     for note in env.notes:

@@ -23,12 +23,15 @@ from smp_compat.checkpoints.load_policy import TRUST_ENV
 from smp_compat.checkpoints.signing import KEY_ENV, key_path
 from smp_compat.errors import CheckpointError
 
+from opaque import Opaque
+
 
 def _content() -> dict[str, Any]:
     """What AWS's GPT-2 script keeps: its arguments, a Hugging Face config, numpy integers."""
     return {
         "cli_args": vars(argparse.Namespace(lr=0.1, seed=np.int64(7))),
-        "model_config": transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2),
+        "model_config": transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2),  # data only: loads unsigned
+        "sampler": Opaque("sampler"),  # not data: loads only when signed (or trusted)
         "total_steps": np.int64(12),
         "start_batch_index": np.int32(3),
     }
@@ -46,7 +49,7 @@ def _save(root: Path) -> Path:
 def _assert_refused(root: Path) -> None:
     with pytest.raises(CheckpointError) as info:
         smp.resume_from_checkpoint(root)
-    assert "GPT2Config" in str(info.value) and f"{TRUST_ENV}={root}" in str(info.value)
+    assert "Opaque" in str(info.value) and f"{TRUST_ENV}={root}" in str(info.value)
 
 
 def test_the_jobs_own_checkpoint_loads_in_full_with_no_flag(tmp_path: Path) -> None:
@@ -54,7 +57,7 @@ def test_the_jobs_own_checkpoint_loads_in_full_with_no_flag(tmp_path: Path) -> N
     loaded = smp.resume_from_checkpoint(tmp_path)
     assert isinstance(loaded["model_config"], transformers.GPT2Config) and loaded["model_config"].n_layer == 2
     assert loaded["total_steps"] == 12 and type(loaded["total_steps"]) is np.int64
-    assert loaded["cli_args"]["seed"] == 7
+    assert loaded["cli_args"]["seed"] == 7 and loaded["sampler"] == Opaque("sampler")
     assert signing.digest_path(user_content).is_file()
     assert (tmp_path / "s1_partial" / "model_0_0.pt.hmac").is_file()  # every file has its digest
 

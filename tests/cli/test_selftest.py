@@ -17,6 +17,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML: the for
 import torch  # noqa: E402
 
 from launching import ROOT, clean_env, free_port, smp_compat_command
+from smp_compat.checkpoints.signing import KEY_ENV
 from smp_compat.selftest.checks import CHECKS
 from smp_compat.selftest.faults import FAULT_ENV
 from smp_compat.testing import RankFailure, run_ranks
@@ -66,6 +67,9 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert env["backend"] == "gloo" and "no GPU" in env["backend_reason"] and len(env["hosts"]) == 1
     assert env["shim"] == "smdistributed.modelparallel.torch -> smp_compat"
     assert [r["device"] for r in env["ranks"]] == ["cpu", "cpu"]
+    key = os.environ[KEY_ENV]  # conftest's: every rank reports it, and where the path came from
+    assert all(r["checkpoint_key"].startswith(f"{key} (") and KEY_ENV in r["checkpoint_key"] for r in env["ranks"])
+    assert f"checkpoint key (rank 0): {key}" in " ".join(output.split())  # rich may wrap the line
     assert "smp-compat selftest" in output and "14 passed, 0 failed, 2 skipped" in output
 
 

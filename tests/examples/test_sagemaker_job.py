@@ -3,8 +3,8 @@
 Nothing is exported by hand (the script reads SM_NUM_GPUS, SM_OUTPUT_DATA_DIR, SM_MODEL_DIR,
 SM_CHANNEL_TRAIN and SM_CHANNEL_TEST at argparse time) and no trust flag is given (its user_content
 holds a GPT2Config and numpy integers). Two 2-process jobs: the uninterrupted run from an estimator JSON,
-which saves mid-way, and the same job from command-line options resuming that checkpoint. The resumed
-losses equal the uninterrupted run's, bitwise.
+which saves mid-way, and the same job from command-line options resuming that checkpoint in a fresh
+container (empty home, no checkpoint key: issue 33). The resumed losses equal the uninterrupted run's, bitwise.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import launching
-from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
+from launching import ROOT, clean_env, free_port, fresh_container_env, run_all, smp_compat_command
 
 SCRIPT = ROOT / "tests" / "fixtures" / "smp_scripts" / "gpt2_sagemaker_job.py"
 STEPS, SAVE_AT = 4, 2
@@ -38,8 +38,9 @@ def _channels(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _run(tmp_path: Path, *options: str) -> None:
+    """A restarted job: a fresh container with no key, so the first run's digests verify nothing."""
     cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()), *options]
-    run_all([(cmd, clean_env())], tmp_path)
+    run_all([(cmd, fresh_container_env(tmp_path / "fresh-home"))], tmp_path)
 
 
 def _output(job_dir: Path) -> dict[str, Any]:
