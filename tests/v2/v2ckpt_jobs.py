@@ -1,0 +1,159 @@
+"""Rank bodies for the v2 checkpoint tests: a tiny FSDP2 (+ DTensor TP) model saved and resumed the way AWS's
+checkpoints.py does it (action ranks, global coordinator ranks, ``process_group`` keywords, tp{T}-{r} folders).
+
+Each ``job`` is one run of ``smp_compat.testing.run_ranks``: new processes, so a resume is a new job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import smp_compat.v2.checkpoint.utils  # noqa: F401  (first, as the scripts' `import torch.sagemaker.checkpoint.utils`)
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+__all__ = ["Layout", "job"]
+
+WIDTH, HIDDEN, BATCH = 8, 16, 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """(rep, shard, tp) sizes of the job's mesh: rank = (rep * shard + s) * tp + t, as SMP v2 orders ranks."""
+
+    rep: int
+    shard: int
+    tp: int = 1
+
+    def mesh(self) -> DeviceMesh:
+        return init_device_mesh("cpu", (self.rep, self.shard, self.tp), mesh_dim_names=("rep", "shard", "tp"))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(layout: Layout, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DeviceMesh]:
+    """The model (same weights on every rank for a seed), TP over "tp", FSDP2 HSDP over ("rep", "shard")."""
+    torch.manual_seed(seed)
+    model = Net()
+    mesh = layout.mesh()
+    if layout.tp > 1:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    dp_mesh = mesh["rep", "shard"]
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, optimizer, mesh
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, steps: range) -> list[float]:
+    """Steps on data seeded by (step, data-parallel rank); returns the loss averaged over data-parallel ranks."""
+    dp_rank = mesh.get_local_rank("rep") * mesh.size(1) + mesh.get_local_rank("shard")
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + dp_rank)
+        x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+    return losses
+
+
+def shard_group_metadata(mesh: DeviceMesh) -> tuple[Any, int, bool]:
+    """The scripts' checkpointing_pg_metadata: (model.process_group, min global rank of it, rep rank == 0)."""
+    group = mesh["shard"].get_group()
+    return group, min(dist.get_process_group_ranks(group)), mesh.get_local_rank("rep") == 0
+
+
+def tp_folder(root: str, mesh: DeviceMesh, layout: Layout) -> str:
+    return os.path.join(root, f"tp{layout.tp}-{mesh.get_local_rank('tp')}") if layout.tp > 1 else root
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, layout: Layout,
+                 folder: str, extra: dict[str, Any]) -> None:  # fmt: skip
+    """As checkpoints.py's sharded save: replica 0 writes over the shard group with a global coordinator."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)} | extra
+    group, coordinator, action = shard_group_metadata(mesh)
+    if action:
+        dcp.save_state_dict(state_dict=state, storage_writer=dcp.FileSystemWriter(tp_folder(folder, mesh, layout)),
+                            planner=dcp.DefaultSavePlanner(), process_group=group, coordinator_rank=coordinator)
+    dist.barrier()
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, layout: Layout,
+                 folder: str, extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """As checkpoints.py's sharded load: model + counters, then the optimizer through load_sharded_optimizer_state_dict."""
+    group, coordinator, _ = shard_group_metadata(mesh)
+    path = tp_folder(folder, mesh, layout)
+    state = {"model": get_model_state_dict(model)} | extra
+    dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(path), process_group=group,
+                        coordinator_rank=coordinator, planner=dcp.DefaultLoadPlanner())
+    model.load_state_dict(state["model"])
+    optim = load_sharded_optimizer_state_dict(model_state_dict=state["model"], optimizer_key="optimizer",
+                                              storage_reader=dcp.FileSystemReader(path), process_group=group)
+    set_optimizer_state_dict(model, optimizer, optim["optimizer"])
+    return state
+
+
+def init_v2() -> None:
+    """Mark torch.sagemaker initialized in this rank, so the DCP wrappers translate."""
+    import smp_compat.v2 as tsm
+
+    tsm.is_initialized = lambda: True  # type: ignore[attr-defined]  # until v2core's tsm.init lands
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps, checkpointing after ``save_at`` (kind "save"), or resume from the folder (kind "resume")."""
+    init_v2()
+    model, optimizer, mesh = build(layout, seed)
+    if kind == "save":
+        first = train(model, optimizer, mesh, range(save_at))
+        save_sharded(model, optimizer, mesh, layout, folder, {"total_steps": save_at, "note": "v2ckpt"})
+        rest = train(model, optimizer, mesh, range(save_at, steps))
+        return {"losses": first + rest}
+    counters: dict[str, Any] = {"total_steps": 0, "note": ""}
+    state = load_sharded(model, optimizer, mesh, layout, folder, counters)
+    loaded = full_params(model)
+    done = int(state["total_steps"])
+    return {"losses": train(model, optimizer, mesh, range(done, steps)), "done": done, "note": state["note"],
+            "loaded": loaded if dist.get_rank() == 0 else None}
