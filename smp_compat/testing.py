@@ -116,9 +116,11 @@ def _teardown() -> None:
     import torch.distributed as dist
 
     from smp_compat.globalstate import reset
+    from smp_compat.v2.state import reset as reset_v2
 
     try:
         reset()
+        reset_v2()
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the process is exiting anyway

@@ -41,7 +41,10 @@ def _restore_environ():
 @pytest.fixture(autouse=True)
 def _reset_smp_state():
     from smp_compat.globalstate import reset
+    from smp_compat.v2.state import reset as reset_v2
 
     reset()
+    reset_v2()
     yield
     reset()
+    reset_v2()

@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "comm": 3, "ranks": 3,
     "stepping": 4, "partitioning": 4, "precision": 4, "checkpoints": 4,
     "memory": 5,
-    "runtime": 6, "nn": 6, "sdp": 6,
+    "runtime": 6, "nn": 6, "sdp": 6, "v2": 6,
     "model": 7, "optimizer": 7, "amp": 7, "patches": 7,
     "__init__": 8, "shim": 8, "testing": 8,
     "selftest": 9,
@@ -83,6 +83,37 @@ def test_imports_point_down(path: Path) -> None:
         if target != unit and LAYERS.get(target, 99) >= LAYERS[unit]:
             wrong.append(f"line {line}: {name} (layer {LAYERS.get(target)}) from layer {LAYERS[unit]}")
     assert not wrong, f"{path.relative_to(PACKAGE)} imports upward or sideways: {wrong}"
+
+
+V1_FEATURES = frozenset({
+    "globalstate", "comm", "ranks", "stepping", "partitioning", "precision", "memory", "runtime", "nn", "sdp",
+    "model", "optimizer", "amp", "patches", "topology",
+})  # fmt: skip
+"""SMP v1's features: smp_compat/v2 (SMP v2) never imports them and they never import it, even inside a function;
+both may use the shared core (errors, config's sources, launch, failure, checkpoints' signing, ...)."""
+
+
+def _all_imports(tree: ast.Module) -> list[tuple[str, int]]:
+    """Every smp_compat module a file imports, wherever the import statement is."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("smp_compat"):
+            names = [node.module] if node.module != "smp_compat" else [f"smp_compat.{a.name}" for a in node.names]
+            found.extend((name, node.lineno) for name in names)
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names if a.name.startswith("smp_compat"))
+    return found
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_smp_v1_and_v2_features_never_import_each_other(path: Path) -> None:
+    unit = _unit(path)
+    if unit != "v2" and unit not in V1_FEATURES:
+        return
+    forbidden = V1_FEATURES | {"__init__"} if unit == "v2" else {"v2"}
+    wrong = [f"line {line}: {name}" for name, line in _all_imports(ast.parse(path.read_text(encoding="utf-8")))
+             if (name.split(".")[1] if name.count(".") else "__init__") in forbidden]  # fmt: skip
+    assert not wrong, f"{path.relative_to(PACKAGE)} crosses between SMP v1 and v2: {wrong}"
 
 
 def test_folders_say_what_lives_there_and_what_they_may_import() -> None:
