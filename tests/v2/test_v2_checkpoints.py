@@ -7,6 +7,7 @@ checkpoint loads exactly into another hybrid shard degree and trains on to the s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from smp_compat.testing import run_ranks
 from v2ckpt_jobs import Layout, job
@@ -29,3 +30,13 @@ def test_sharded_resume_is_bitwise(tmp_path, saved: Layout, resumed: Layout) -> 
     again = run_ranks(job, _ranks(resumed), "resume", resumed, folder, 7, SAVE_AT, STEPS, timeout=120)
     assert again[0]["done"] == SAVE_AT and again[0]["note"] == "v2ckpt"
     assert again[0]["losses"] == whole[0]["losses"][SAVE_AT:]
+
+
+@pytest.mark.parametrize("resumed", [Layout(4, 1), Layout(1, 4)], ids=["to_hsd1", "to_hsd4"])
+def test_sharded_checkpoint_resumes_at_another_hybrid_shard_degree(tmp_path, resumed: Layout) -> None:
+    folder = str(tmp_path / "llama-3steps")
+    whole = run_ranks(job, 4, "save", Layout(2, 2), folder, 0, SAVE_AT, STEPS, timeout=120)
+    again = run_ranks(job, 4, "resume", resumed, folder, 7, SAVE_AT, STEPS, timeout=120)
+    saved, loaded = whole[0]["saved"], again[0]["loaded"]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert again[0]["losses"] == pytest.approx(whole[0]["losses"][SAVE_AT:], rel=1e-5)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -37,7 +37,11 @@ class Layout:
     tp: int = 1
 
     def mesh(self) -> DeviceMesh:
-        return init_device_mesh("cpu", (self.rep, self.shard, self.tp), mesh_dim_names=("rep", "shard", "tp"))
+        """tsm.init with this layout's degrees; its state.device_mesh ("rep", "shard", "cp", "tp")."""
+        import smp_compat.v2 as tsm
+
+        tsm.init({"hybrid_shard_degree": self.shard, "tensor_parallel_degree": self.tp})
+        return tsm.state.device_mesh
 
 
 class Block(nn.Module):
@@ -131,26 +135,19 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Devic
     return state
 
 
-def init_v2() -> None:
-    """Mark torch.sagemaker initialized in this rank, so the DCP wrappers translate."""
-    import smp_compat.v2 as tsm
-
-    tsm.is_initialized = lambda: True  # type: ignore[attr-defined]  # until v2core's tsm.init lands
-
-
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
 
 
 def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: int) -> dict[str, Any]:
     """Train ``steps`` steps, checkpointing after ``save_at`` (kind "save"), or resume from the folder (kind "resume")."""
-    init_v2()
     model, optimizer, mesh = build(layout, seed)
     if kind == "save":
         first = train(model, optimizer, mesh, range(save_at))
         save_sharded(model, optimizer, mesh, layout, folder, {"total_steps": save_at, "note": "v2ckpt"})
+        saved = full_params(model)
         rest = train(model, optimizer, mesh, range(save_at, steps))
-        return {"losses": first + rest}
+        return {"losses": first + rest, "saved": saved if dist.get_rank() == 0 else None}
     counters: dict[str, Any] = {"total_steps": 0, "note": ""}
     state = load_sharded(model, optimizer, mesh, layout, folder, counters)
     loaded = full_params(model)
