@@ -40,3 +40,14 @@ def test_sharded_checkpoint_resumes_at_another_hybrid_shard_degree(tmp_path, res
     saved, loaded = whole[0]["saved"], again[0]["loaded"]
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert again[0]["losses"] == pytest.approx(whole[0]["losses"][SAVE_AT:], rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["async_sharded", "async_local"])
+def test_async_checkpoint_resume_is_bitwise(tmp_path, method: str) -> None:
+    folder = str(tmp_path / "llama-3steps")
+    whole = run_ranks(job, 4, "save", Layout(2, 2), folder, 0, SAVE_AT, STEPS, method, timeout=120)
+    again = run_ranks(job, 4, "resume", Layout(2, 2), folder, 7, SAVE_AT, STEPS, method, timeout=120)
+    saved, loaded = whole[0]["saved"], again[0]["loaded"]
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert again[0]["done"] == SAVE_AT and again[0]["note"] == "v2ckpt"
+    assert again[0]["losses"] == whole[0]["losses"][SAVE_AT:]

@@ -139,17 +139,105 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
 
 
-def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: int) -> dict[str, Any]:
-    """Train ``steps`` steps, checkpointing after ``save_at`` (kind "save"), or resume from the folder (kind "resume")."""
+def _replication_group(mesh: DeviceMesh) -> tuple[Any, int]:
+    """As checkpoints.py: a group per state.ranker.get_rep_groups() entry (all ranks create all), this rank's."""
+    import smp_compat.v2 as tsm
+
+    mine: tuple[Any, int] = (None, -1)
+    for ranks in tsm.state.ranker.get_rep_groups():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = (group, min(ranks))
+    return mine
+
+
+def _local_folder(root: str, mesh: DeviceMesh) -> str:
+    return os.path.join(root, f"tp{mesh.get_local_rank('tp')}_ep0_fsdp{mesh.get_local_rank('shard')}")
+
+
+def save_async(method: str, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, layout: Layout,
+               folder: str, extra: dict[str, Any], queue: Any) -> None:  # fmt: skip
+    """As checkpoints.py's async_sharded (replica 0 over the shard group) and async_local (every rank, over its
+    replication group, SM_LOCAL_STATE_DICT) saves."""
+    from smp_compat.v2.distributed.checkpoint.state_dict_saver import async_save
+    from smp_compat.v2.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
+
+    if method == "async_local":
+        group, coordinator = _replication_group(mesh)
+        queue.maybe_finalize_async_calls(blocking=True, process_group=group)
+        with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()} | extra
+        async_save(state, checkpoint_id=_local_folder(folder, mesh), process_group=group,
+                   coordinator_rank=coordinator, queue=queue)
+        return
+    group, coordinator, action = shard_group_metadata(mesh)
+    queue.maybe_finalize_async_calls(blocking=True, process_group=group)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)} | extra
+    if action:
+        async_save(state, checkpoint_id=tp_folder(folder, mesh, layout), process_group=group,
+                   coordinator_rank=coordinator, queue=queue)
+
+
+def load_async(method: str, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, layout: Layout,
+               folder: str, extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """As checkpoints.py's async loads: SMP's load + DistributedFileSystemReader; async_local loads in place."""
+    from smp_compat.v2.distributed.checkpoint.filesystem import DistributedFileSystemReader
+    from smp_compat.v2.distributed.checkpoint.state_dict_loader import load
+    from smp_compat.v2.distributed.checkpoint.state_dict_utils import (
+        SMStateDictType, init_optim_state, sm_state_dict_type)
+
+    if method == "async_local":
+        group, coordinator = _replication_group(mesh)
+        with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+            state = {"model": model.state_dict()} | extra
+            init_optim_state(optimizer, skip_empty_param=True)
+            state["optimizer"] = optimizer.state_dict()
+            load(state_dict=state, process_group=group, coordinator_rank=coordinator,
+                 storage_reader=DistributedFileSystemReader(_local_folder(folder, mesh)))
+        return state
+    group, coordinator, _ = shard_group_metadata(mesh)
+    path = tp_folder(folder, mesh, layout)
+    state = {"model": get_model_state_dict(model)} | extra
+    load(state_dict=state, storage_reader=DistributedFileSystemReader(path), process_group=group,
+         coordinator_rank=coordinator, planner=dcp.DefaultLoadPlanner())
+    model.load_state_dict(state["model"])
+    optim = load_sharded_optimizer_state_dict(model_state_dict=state["model"], optimizer_key="optimizer",
+                                              storage_reader=DistributedFileSystemReader(path), process_group=group)
+    set_optimizer_state_dict(model, optimizer, optim["optimizer"])
+    return state
+
+
+def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: int,
+        method: str = "sharded") -> dict[str, Any]:  # fmt: skip
+    """Train ``steps`` steps, checkpointing after ``save_at`` (kind "save"), or resume from the folder (kind "resume").
+
+    ``method``: "sharded", or "async_sharded" / "async_local" (a second save at the last step checks that the
+    queue finalizes the first, then the training ends with a blocking finalize).
+    """
     model, optimizer, mesh = build(layout, seed)
     if kind == "save":
         first = train(model, optimizer, mesh, range(save_at))
-        save_sharded(model, optimizer, mesh, layout, folder, {"total_steps": save_at, "note": "v2ckpt"})
-        saved = full_params(model)
-        rest = train(model, optimizer, mesh, range(save_at, steps))
+        extra = {"total_steps": save_at, "note": "v2ckpt"}
+        if method == "sharded":
+            save_sharded(model, optimizer, mesh, layout, folder, extra)
+            saved = full_params(model)
+            rest = train(model, optimizer, mesh, range(save_at, steps))
+        else:
+            from smp_compat.v2.distributed.checkpoint.async_utils import AsyncCallsQueue
+
+            queue = AsyncCallsQueue()
+            save_async(method, model, optimizer, mesh, layout, folder, extra, queue)
+            saved = full_params(model)
+            rest = train(model, optimizer, mesh, range(save_at, steps))
+            save_async(method, model, optimizer, mesh, layout, folder + "-last", extra, queue)
+            queue.maybe_finalize_async_calls(blocking=True, process_group=None)
+            assert queue.get_num_unfinalized_calls() == 0
         return {"losses": first + rest, "saved": saved if dist.get_rank() == 0 else None}
     counters: dict[str, Any] = {"total_steps": 0, "note": ""}
-    state = load_sharded(model, optimizer, mesh, layout, folder, counters)
+    if method == "sharded":
+        state = load_sharded(model, optimizer, mesh, layout, folder, counters)
+    else:
+        state = load_async(method, model, optimizer, mesh, layout, folder, counters)
     loaded = full_params(model)
     done = int(state["total_steps"])
     return {"losses": train(model, optimizer, mesh, range(done, steps)), "done": done, "note": state["note"],
