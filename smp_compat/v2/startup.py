@@ -59,6 +59,9 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     tracker = RNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, cfg.random_seed + layout.coords(rank).tp)
     state._initialize(cfg, layout, rank, mesh, rep_group, tracker, local_world)
+    from smp_compat.v2.fsdp import install  # the FSDP1 constructor serves the v2 layout from here on
+
+    install()
     if rank == 0:
         log.info("SMP v2 (smp_compat) initialized: %s; %s", cfg.model_dump(), layout.rank_table()[0])
 

@@ -73,7 +73,9 @@ class State:
         self.local_world_size = 1
         self._meshes: dict[int, DeviceMesh] = {}
         self.resolved_hybrid_shard_degree: int | None = None
-        """The shard group size in use: set by init, or by the FSDP façade at hybrid_shard_degree 0 and tp 1."""
+        """The FSDP group size in use (``model.process_group``'s): set by init, then by the FSDP façade, which
+        decides at hybrid_shard_degree 0 and tp 1, and at hybrid_shard_degree 1 (nothing sharded) makes the group
+        every data-parallel rank, as FSDP1's NO_SHARD (smp_compat/v2/fsdp/layout.py says why)."""
 
     for _key in sorted(V2_KEYS):
         locals()[_key] = _config_value(_key)
@@ -164,7 +166,12 @@ class State:
 
     @property
     def ranker(self) -> Ranker:
-        return Ranker(self.layout)
+        """Replicas of the FSDP group: at hybrid_shard_degree 1, once FSDP is built, one group of every
+        data-parallel rank, so every rank is replica 0 and writes its part of a sharded checkpoint."""
+        layout, fsdp = self.layout, self.resolved_hybrid_shard_degree
+        if fsdp is not None and fsdp != layout.shard_degree:
+            layout = Layout(layout.world_size, layout.tp, layout.cp, fsdp, layout.ep)
+        return Ranker(layout)
 
     def get_rng_state_tracker(self) -> RNGStatesTracker:
         """The tensor-parallel RNG tracker, seeded ``random_seed + tp_rank`` at init (Megatron's API)."""

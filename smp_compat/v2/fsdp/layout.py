@@ -1,0 +1,89 @@
+"""Which ranks shard and which replicate: the script's ``sharding_strategy`` and ``hybrid_shard_degree``.
+
+SMP v2's rules (reference §2.1): ``hybrid_shard_degree`` H >= 2 is the size of the FSDP shard group and
+forces ``HYBRID_SHARD`` (``_HYBRID_SHARD_ZERO2`` stays); H == 1 replicates (SMP's ``NO_SHARD``); H == 0
+with tensor parallelism shards over every data-parallel rank, and H == 0 without it is native FSDP: the
+script's strategy decides (full strategies over all ranks, hybrid ones over ``LOCAL_WORLD_SIZE`` ranks,
+``NO_SHARD`` replicates).
+
+``model.process_group`` is the FSDP group as FSDP1 defines it: the shard group, or at H == 1 (nothing
+sharded) every data-parallel rank of this tensor-parallel column, as FSDP1's ``NO_SHARD`` group is.
+The scripts take it for checkpoint coordination (DCP's group; only replication rank 0 writes) and for
+timing statistics; a one-rank group would break ``statistics.stdev`` there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import ShardingStrategy
+
+from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.v2.fsdp.context import Context
+
+__all__ = ["FsdpLayout", "resolve"]
+
+_FULL = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_NO_RESHARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.NO_SHARD)
+
+
+@dataclass(frozen=True)
+class FsdpLayout:
+    """The resolved layout: FSDP2's 2-D mesh, the strategy in effect, and FSDP1's group attributes."""
+
+    mesh: DeviceMesh  # ("rep", "shard")
+    strategy: ShardingStrategy
+    reshard_after_forward: bool
+    process_group: dist.ProcessGroup
+    shard_degree: int  # ranks sharing one copy of the parameters (1: replicated)
+
+    @property
+    def group_size(self) -> int:
+        """Size of ``process_group`` (the value ``tsm.state`` reports as the resolved shard-group size)."""
+        return dist.get_world_size(self.process_group)
+
+
+def resolve(ctx: Context, strategy: ShardingStrategy | None) -> FsdpLayout:
+    """Apply SMP's rules to the script's strategy (FSDP1's default: FULL_SHARD)."""
+    strategy = ShardingStrategy.FULL_SHARD if strategy is None else strategy
+    dp = ctx.mesh.size() // ctx.tp_size  # data-parallel ranks incl. context-parallel ones
+    h = ctx.hybrid_shard_degree
+    if h >= 2:
+        shard = h
+        if strategy not in _HYBRID:
+            strategy = ShardingStrategy.HYBRID_SHARD
+    elif h == 1:
+        shard, strategy = 1, ShardingStrategy.NO_SHARD
+    elif strategy is ShardingStrategy.NO_SHARD:
+        shard = 1
+    elif ctx.tp_size > 1 or strategy in _FULL:
+        shard = dp
+    else:
+        shard = min(ctx.local_world_size, dp)
+    if shard < 1 or dp % shard:
+        raise SMPConfigError(
+            f"FSDP shard group of {shard} ranks does not divide the {dp} data-parallel ranks "
+            f"(hybrid_shard_degree={h}, sharding_strategy={strategy.name}, LOCAL_WORLD_SIZE={ctx.local_world_size})."
+        )
+    mesh = _fsdp_mesh(ctx, dp // shard, shard)
+    group = mesh.get_group("rep") if shard == 1 else mesh.get_group("shard")
+    return FsdpLayout(mesh, strategy, strategy not in _NO_RESHARD, group, shard)
+
+
+def _fsdp_mesh(ctx: Context, rep: int, shard: int) -> DeviceMesh:
+    """The ("rep", "shard") slice of the root mesh, or of ``tsm.state``'s mesh for another shard size (tp 1)."""
+    if ctx.cp_size > 1:
+        raise SMPUnsupportedError("context parallelism (context_parallel_degree > 1) with the FSDP façade")
+    sizes = dict(zip(ctx.mesh.mesh_dim_names or (), ctx.mesh.mesh.shape))
+    if sizes.get("rep") == rep and sizes.get("shard") == shard:
+        return ctx.mesh["rep", "shard"]
+    if ctx.tp_size > 1:
+        raise SMPUnsupportedError(
+            f"an FSDP layout of {rep} replicas x {shard} shards with tensor_parallel_degree={ctx.tp_size}, when "
+            f"tsm.init() built {sizes.get('rep')} x {sizes.get('shard')}: tensor-parallel parameters live on that "
+            "mesh; set hybrid_shard_degree to the shard degree you want instead of relying on sharding_strategy."
+        )
+    return ctx.mesh_for(shard)["rep", "shard"]
