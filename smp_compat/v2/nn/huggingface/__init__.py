@@ -1,0 +1,5 @@
+"""``torch.sagemaker.nn.huggingface``."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

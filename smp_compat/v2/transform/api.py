@@ -1,0 +1,97 @@
+"""``torch.sagemaker.transform``: tensor parallelism for a supported Hugging Face model, names kept.
+
+SMP v2 swaps the model for its Transformer-Engine implementation and translates state-dict keys back on a full
+save. smp_compat keeps the Hugging Face modules and splits their projections with DTensor over the tp slice of
+``state.device_mesh`` (sharding.py), so a full state dict is a Hugging Face checkpoint as it stands; the decoder
+layers become ``TransformerLayer`` instances for the scripts' FSDP wrap policy and activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.v2.tensor_parallel.transformer import mark_transformer_layer
+from smp_compat.v2.transform.family import find_family
+from smp_compat.v2.transform.sharding import check_divisible, split_layers, split_parameter_names
+from smp_compat.v2.transform.sync import agree_within_tp_group
+
+__all__ = ["transform", "tensor_parallelize"]
+
+CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def transform(
+    model: nn.Module,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+    load_state_dict_from_rank0: bool = False,
+    cp_comm_type: str = "p2p",
+) -> nn.Module:
+    """Split ``model`` over ``tsm.state``'s tp group (after ``tsm.init()``) and return it, names kept.
+
+    ``device``/``dtype`` move or cast the model first (meta parameters stay on meta). With
+    ``load_state_dict_from_rank0`` rank 0's weights reach its tp peers here; the other data-parallel ranks get
+    them from FSDP's ``sync_module_states``. Collective over each tp group.
+    """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise SMPConfigError(f"torch.sagemaker.transform: cp_comm_type must be one of {CP_COMM_TYPES}; got {cp_comm_type!r}")
+    if config is not None:
+        raise SMPUnsupportedError(
+            f"torch.sagemaker.transform(config={type(config).__name__}(...)): mixture-of-experts models (MoEConfig, "
+            "expert parallelism) are not supported yet (issue 35). Run the model without use_smp_implementation/moe."
+        )
+    tp, mesh = _tp_from_state()
+    return tensor_parallelize(model, mesh if tp > 1 else None, device, dtype, load_state_dict_from_rank0)
+
+
+def tensor_parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    load_state_dict_from_rank0: bool = False,
+) -> nn.Module:
+    """``transform``'s work on a given 1-D tp mesh (None: tp = 1, layers marked only)."""
+    family = find_family(model)
+    layers = family.layers(model)
+    counts = check_divisible(family, model.config, mesh.size() if mesh is not None else 1)
+    _move(model, device, dtype)
+    if mesh is not None:
+        agree_within_tp_group(model, mesh, split_parameter_names(model, family), load_state_dict_from_rank0)
+        split_layers(model, family, mesh, counts)
+    for layer in layers:
+        mark_transformer_layer(layer)
+    return model
+
+
+def _move(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    """Honour ``device`` and ``dtype``: floating tensors cast, real tensors moved, meta ones left on meta."""
+    if dtype is not None:
+        if not dtype.is_floating_point:
+            raise SMPConfigError(f"torch.sagemaker.transform: dtype must be a floating-point dtype; got {dtype}")
+        model.to(dtype=dtype)
+    if device is not None and not any(t.is_meta for t in model.parameters()):
+        model.to(device=torch.device(device))
+
+
+def _tp_from_state() -> tuple[int, DeviceMesh | None]:
+    """(tensor_parallel_degree, the tp mesh) from ``tsm.state``; errors for init missing, cp or ep."""
+    from smp_compat.errors import SMPNotInitializedError
+    from smp_compat.v2.state import state
+
+    if not getattr(state, "initialized", False):
+        raise SMPNotInitializedError("torch.sagemaker.transform needs torch.sagemaker.init() first.")
+    for key, feature in (("context_parallel_degree", "context parallelism"), ("expert_parallel_degree", "expert parallelism")):
+        if getattr(state, key, 1) > 1:
+            raise SMPUnsupportedError(
+                f"torch.sagemaker.transform: {feature} ({key}={getattr(state, key)}) is not supported yet (issue 35); "
+                f"set {key} to 1."
+            )
+    tp = state.tensor_parallel_degree
+    return tp, (state.device_mesh["tp"] if tp > 1 else None)
