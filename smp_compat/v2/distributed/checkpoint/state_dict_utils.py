@@ -34,11 +34,25 @@ def sm_state_dict_type(
     state_dict_config: Any = None,
     optim_state_dict_config: Any = None,
 ) -> Iterator[None]:
-    """Within it, ``module.state_dict()`` is of ``state_dict_type``; SM_LOCAL is this rank's shard only."""
+    """Within it, ``module.state_dict()`` is of ``state_dict_type``; SM_LOCAL is this rank's shard only.
+
+    A model FSDP2 shards without the FSDP1 façade (``fully_shard`` called directly) has one kind of state
+    dict, the sharded one, so SM_LOCAL leaves it as it is.
+    """
     if state_dict_type is SMStateDictType.SM_LOCAL_STATE_DICT:
         state_dict_type, state_dict_config, optim_state_dict_config = StateDictType.SHARDED_STATE_DICT, None, None
+        if not _fsdp1_api_serves(module):
+            yield
+            return
     with FSDP.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config):
         yield
+
+
+def _fsdp1_api_serves(module: torch.nn.Module) -> bool:
+    """Whether ``FSDP.state_dict_type`` applies to ``module``: FSDP1 modules, or the v2 façade's FSDP2 model."""
+    from smp_compat.v2.fsdp import is_facade
+
+    return bool(FSDP.fsdp_modules(module)) or any(is_facade(m) for m in module.modules())
 
 
 def _local_numel(param: torch.Tensor) -> int:
