@@ -1,0 +1,125 @@
+"""Building the model: DelayedParamIniter, sync_module_states, and what the FSDP façade refuses (issue 34, 4, 6, 10).
+
+DelayedParamIniter materializes a meta model per module with Hugging Face's own ``_init_weights``: the
+tensors HF fixes (norm weights, rotary frequencies) equal a model built on the CPU, the random ones have the
+configured spread, and two runs with one seed agree (so replicas and shards do). Through the façade at
+hybrid shard 2 x 2 replicas: a meta model wrapped with the initer's functions is complete and identical on
+every rank, and ``sync_module_states=True`` on CPU modules makes every rank hold rank 0's weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import fsdp_job
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp_compat.errors import SMPUnsupportedError
+from smp_compat.testing import run_ranks
+from smp_compat.v2.delayed_param import DelayedParamIniter, UninitializedStateError
+
+pytestmark = pytest.mark.hf
+
+
+def _materialized(seed: int) -> nn.Module:
+    """A meta Llama materialized module by module (breadth first, as FSDP1 and the façade call it)."""
+    model = fsdp_job.tiny_llama(meta=True)
+    initer = DelayedParamIniter(model)
+    torch.manual_seed(seed)
+    init, post = initer.get_param_init_fn(), initer.get_post_param_init_fn()
+    for m in list(model.modules()):
+        init(m)
+    post(model)
+    return model
+
+
+def test_delayed_init_uses_hf_init_and_is_deterministic() -> None:
+    built = fsdp_job.tiny_llama(seed=0).state_dict()
+    model = _materialized(seed=3)
+    again = _materialized(seed=3).state_dict()
+    sd = model.state_dict()
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert fsdp_job.max_diff(sd, again) == 0.0
+    std = model.config.initializer_range
+    for name, value in sd.items():
+        if "norm" in name:
+            assert torch.equal(value, built[name]), name  # HF fixes them: ones
+        else:
+            assert abs(value.std().item() - std) < 0.25 * std, name  # normal(0, initializer_range)
+    rotary = model.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, fsdp_job.tiny_llama().model.rotary_emb.inv_freq)
+    assert DelayedParamIniter(model).count_num_params() == sum(p.numel() for p in built.values())
+
+
+def test_validate_names_what_is_still_on_meta() -> None:
+    model = fsdp_job.tiny_llama(meta=True)
+    with pytest.raises(UninitializedStateError, match=r"23 parameters.*model\.embed_tokens\.weight"):
+        with DelayedParamIniter(model).validate_params_and_buffers_inited():
+            pass
+
+
+def _init_job() -> dict[str, Any]:
+    fsdp_job.init_v2(2)
+    rank = dist.get_rank()
+    synced = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama(seed=rank), sync_module_states=True)
+    meta = fsdp_job.tiny_llama(meta=True)
+    initer = DelayedParamIniter(meta)
+    torch.manual_seed(5)
+    with initer.validate_params_and_buffers_inited():
+        delayed = fsdp_job.wrap_as_scripts(meta, param_init_fn=initer.get_param_init_fn(),
+                                           post_param_init_fn=initer.get_post_param_init_fn())  # fmt: skip
+    local = {n: p.to_local().clone() for n, p in delayed.named_parameters()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {"synced": fsdp_job.full_params(synced), "delayed": fsdp_job.full_params(delayed), "locals": gathered}
+
+
+def test_facade_materializes_delayed_models_and_syncs_module_states() -> None:
+    results = run_ranks(_init_job, 4, timeout=240)
+    r0 = results[0]
+    assert fsdp_job.max_diff(r0["synced"], fsdp_job.tiny_llama(seed=0).state_dict()) == 0.0
+    delayed = r0["delayed"]
+    assert not any(v.isnan().any() for v in delayed.values())
+    built = fsdp_job.tiny_llama().state_dict()
+    assert all(torch.equal(delayed[k], built[k]) for k in delayed if "norm" in k)
+    # replicas (ranks 0/2 and 1/3 at 2 shards x 2 replicas) hold the same shard
+    locals_ = r0["locals"]
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(locals_[a][n], locals_[b][n]) for n in locals_[a]), (a, b)
+
+
+def _refusals() -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    fsdp_job.init_v2(1)
+    errors = []
+    for kwargs in ({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy)},
+                   {"process_group": dist.group.WORLD}):  # fmt: skip
+        try:
+            FSDP(fsdp_job.tiny_llama(), **kwargs)
+        except SMPUnsupportedError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _stock_before_init() -> str:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from smp_compat.v2.fsdp import install
+
+    install()  # as after `import torch.sagemaker`, before tsm.init()
+    model = FSDP(nn.Linear(4, 4), device_id=torch.device("cpu"), use_orig_params=True)
+    return type(model).__name__
+
+
+def test_refusals_name_the_feature_and_stock_fsdp_before_init() -> None:
+    errors = run_ranks(_refusals, 1, timeout=120)[0]
+    assert len(errors) == 2
+    assert "size_based_auto_wrap_policy" in errors[0] and "transformer_auto_wrap_policy" in errors[0]
+    assert "process_group" in errors[1] and "hybrid_shard_degree" in errors[1]
+    assert run_ranks(_stock_before_init, 2, timeout=120) == ["FullyShardedDataParallel"] * 2
