@@ -23,6 +23,8 @@ from smp_compat.launch import detect_launch
 from smp_compat.v2.config import check_supported, resolve_v2_config
 from smp_compat.v2.layout import DIMS, Layout, resolve_shard_degree
 from smp_compat.v2.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from smp_compat.v2.standins.attention import install_sdpa_fallback
+from smp_compat.v2.standins.real_te import guard_real_fp8_autocast
 from smp_compat.v2.state import state
 
 __all__ = ["build_mesh", "init", "is_initialized"]
@@ -39,7 +41,8 @@ def is_initialized() -> bool:
 
 def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> None:
     """Start SMP v2: config (SM_HP_MP_PARAMETERS over ``config`` over values written to ``tsm.state``), process
-    group, the ("rep", "shard", "cp", "tp") device mesh, the replica groups and the RNG tracker."""
+    group, the ("rep", "shard", "cp", "tp") device mesh, the replica groups and the RNG tracker; then the
+    stand-ins that act on model construction (flash-attention 2 -> sdpa, fp8 off where it cannot run)."""
     cfg = resolve_v2_config(config, written=state.written_before_init())
     check_supported(cfg)
     if state.initialized:
@@ -62,6 +65,8 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     from smp_compat.v2.fsdp import install  # the FSDP1 constructor serves the v2 layout from here on
 
     install()
+    install_sdpa_fallback()  # the scripts build their model after tsm.init()
+    guard_real_fp8_autocast()
     if rank == 0:
         log.info("SMP v2 (smp_compat) initialized: %s; %s", cfg.model_dump(), layout.rank_table()[0])
 
