@@ -100,9 +100,10 @@ def build_model(args: argparse.Namespace, config: LlamaConfig) -> torch.nn.Modul
 
 
 def batch(args: argparse.Namespace, step: int) -> torch.Tensor:
-    """Synthetic tokens for this data-parallel rank (tensor-parallel peers share them)."""
+    """Synthetic, learnable tokens (counting up from a random start) for this data-parallel rank."""
     g = torch.Generator().manual_seed(args.seed + 1000 * step + tsm.state.dp_rank)
-    return torch.randint(0, 64, (args.train_batch_size, args.max_context_width), generator=g)
+    start = torch.randint(0, 64, (args.train_batch_size, 1), generator=g)
+    return (start + torch.arange(args.max_context_width)) % 64
 
 
 def train_step(args: argparse.Namespace, model: Any, optimizer: Any, step: int) -> float:
