@@ -11,7 +11,8 @@ checkpoints (DCP, one ``tp{T}-{r}`` folder per tensor-parallel rank, written by 
     smp-compat run --nproc-per-node 4 --config examples/configs/v2_tp2_hsd2.json examples/v2/train.py \\
         --resume_from_checkpoint /tmp/smp_v2_example/checkpoints/llama-4steps
 
-Each rank-0 step prints ``step <n> loss <value>``; ``--losses_out FILE`` also writes them as JSON.
+Each rank-0 step prints ``step <n> loss <value>``; ``--losses_out FILE`` also writes them as JSON, and
+``--eval_out FILE`` the final model's logits on a fixed batch (to compare with the saved full model).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save_final_model", type=int, default=1)
     p.add_argument("--activation_checkpointing", type=int, default=1)
     p.add_argument("--losses_out", default=None)
+    p.add_argument("--eval_out", default=None, help="rank 0 saves the trained model's logits on a fixed batch here")
     args, _ = p.parse_known_args()  # SageMaker also passes --mp_parameters
     return args
 
@@ -191,6 +193,12 @@ def main() -> None:
         if total_steps % args.checkpoint_freq == 0:
             save_sharded(model, optimizer, os.path.join(args.checkpoint_dir, f"llama-{total_steps}steps"),
                          total_steps, pg_meta, args.num_kept_checkpoints)  # fmt: skip
+    if args.eval_out:
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=batch(args, 10_000))["logits"]
+        if dist.get_rank() == 0:
+            torch.save({"input_ids": batch(args, 10_000), "logits": logits}, args.eval_out)
     if args.save_final_model:
         save_full(model, config, args.model_dir or os.path.join(args.checkpoint_dir, "model"))
     if args.losses_out and dist.get_rank() == 0:
