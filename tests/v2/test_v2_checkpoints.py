@@ -51,3 +51,14 @@ def test_async_checkpoint_resume_is_bitwise(tmp_path, method: str) -> None:
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert again[0]["done"] == SAVE_AT and again[0]["note"] == "v2ckpt"
     assert again[0]["losses"] == whole[0]["losses"][SAVE_AT:]
+
+
+@pytest.mark.hf
+def test_local_checkpoint_loads_with_the_scripts_plain_torch_load_and_resumes_bitwise(tmp_path) -> None:
+    from v2ckpt_local import local_job
+
+    folder = str(tmp_path / "llama-3steps")
+    whole = run_ranks(local_job, 4, "save", folder, SAVE_AT, STEPS, timeout=180)
+    again = run_ranks(local_job, 4, "resume", folder, SAVE_AT, STEPS, timeout=180)
+    assert again[0]["done"] == SAVE_AT and again[0]["config"] == "LlamaConfig"
+    assert again[0]["losses"] == whole[0]["losses"][SAVE_AT:]
