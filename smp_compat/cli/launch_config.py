@@ -4,7 +4,7 @@ and the variables it becomes in every process.
 One reader for ``--config`` (inline JSON or a file: a SageMaker distribution dict, its modelparallel part, or
 bare parameters), the estimator's ``distribution``, or an ``SM_HP_MP_PARAMETERS`` already exported. Where the
 SMP major version is decided (``smp_major``) and where each version's part of the launch plugs in
-(``resolve_smp``: v1's is ``launch_v1.V1Launch``) is here and nowhere else.
+(``resolve_smp``: v1's is ``launch_v1.V1Launch``, v2's ``launch_v2.V2Launch``) is here and nowhere else.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any, Protocol
 from smp_compat.cli.estimator import Estimator
 from smp_compat.cli.json_args import json_text
 from smp_compat.cli.launch_v1 import V1Launch
+from smp_compat.cli.launch_v2 import V2Launch
 from smp_compat.cli.sm_env import FRAMEWORK_ENV
 from smp_compat.config import ENV_VAR, extract_mp_parameters, parse_json
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.errors import SMPConfigError
 from smp_compat.shim import pythonpath_with_shim
 
 __all__ = [
@@ -147,15 +148,25 @@ def _without_mpi(raw: Any) -> Any:
 # ---------------------------------------------------------------- which SMP: the one place versions part ways
 
 
+_V2_ONLY_KEYS = frozenset({
+    "hybrid_shard_degree", "sm_activation_offloading", "fsdp_cache_flush_warnings", "allow_empty_shards",
+    "context_parallel_degree", "expert_parallel_degree", "random_seed",
+})  # fmt: skip
+"""SMP v2 keys SMP v1 never had: bare parameters with one of them are for v2."""
+
+
 def smp_major(raw: Any) -> int:
     """The SMP major version a parsed config is for: SageMaker's SDK's own rule.
 
     The SDK picks an SMP v2 container when the distribution has both ``torch_distributed`` and
     ``smdistributed``'s ``modelparallel``; v1's has ``mpi`` instead. Bare parameters (no distribution dict,
-    as in an inherited SM_HP_MP_PARAMETERS) cannot say, and count as v1.
+    as in an inherited SM_HP_MP_PARAMETERS, or the ``modelparallel`` part alone) are v2's when they hold a
+    key only v2 has (``hybrid_shard_degree``, ...), else v1's.
     """
     section = raw.get("smdistributed") if _is_distribution(raw) else None
     if isinstance(section, Mapping) and "modelparallel" in section and "torch_distributed" in raw:
+        return SMP_V2
+    if section is None and _V2_ONLY_KEYS & set(extract_mp_parameters(_without_mpi(raw))):
         return SMP_V2
     return SMP_V1
 
@@ -164,11 +175,7 @@ def resolve_smp(launch: LaunchConfig) -> SMPLaunch:
     """The launch config checked by its SMP version's rules (on its own: the script's dict is not visible here)."""
     if launch.major == SMP_V1:
         return V1Launch.resolve(launch)
-    raise SMPUnsupportedError(
-        f"{launch.source} is an SMP v2 (torch.sagemaker) distribution (\"torch_distributed\" with "
-        "\"smdistributed\".\"modelparallel\"), which smp-compat does not launch yet. For an SMP v1 script, "
-        'replace "torch_distributed" by "mpi": {"enabled": true, "processes_per_host": N}.'
-    )
+    return V2Launch.resolve(launch)
 
 
 # ---------------------------------------------------------------- the variables every process gets
@@ -178,7 +185,7 @@ def launch_environment(smp: SMPLaunch, environ: Mapping[str, str]) -> dict[str, 
     """The variables the launched processes get on top of ``environ``: config, framework params, shim path."""
     env = {
         "PYTHONPATH": pythonpath_with_shim(environ.get("PYTHONPATH")),
-        FRAMEWORK_ENV: json.dumps(_framework_params(environ.get(FRAMEWORK_ENV))),
+        FRAMEWORK_ENV: json.dumps(_framework_params(environ.get(FRAMEWORK_ENV), smp.launch.major)),
         "PYTHONWARNINGS": _with_warning_filter(environ.get("PYTHONWARNINGS")),
     }
     parameters = smp.exported_parameters()
@@ -192,12 +199,15 @@ def _with_warning_filter(current: str | None) -> str:
     return f"{current},{_NUMPY_NOTICE}" if current else _NUMPY_NOTICE
 
 
-def _framework_params(current: str | None) -> dict[str, Any]:
-    """Keep any framework params already set (when they are a JSON dict) and turn MPI on."""
+def _framework_params(current: str | None, major: int) -> dict[str, Any]:
+    """Keep any framework params already set (when they are a JSON dict) and name the launcher SageMaker uses:
+    MPI for SMP v1 (Hugging Face's Trainer looks for it), torchrun for v2 (the SDK's hyperparameter)."""
     try:
         params = json.loads(current) if current else {}
     except json.JSONDecodeError:
         params = {}
     if not isinstance(params, dict):
         params = {}
+    if major == SMP_V2:
+        return {**params, "sagemaker_torch_distributed_enabled": True}
     return {**params, "sagemaker_mpi_enabled": True}

@@ -57,7 +57,10 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     cfg.check_world_size(world)
     shard = resolve_shard_degree(cfg.hybrid_shard_degree, world, cfg.tensor_parallel_degree, local_world)
     layout = Layout(world, cfg.tensor_parallel_degree, cfg.context_parallel_degree, shard, cfg.expert_parallel_degree)
-    mesh = build_mesh(layout, _device_type())
+    device_type = _device_type()
+    if device_type == "cuda":
+        _select_gpu(rank)
+    mesh = build_mesh(layout, device_type)
     rep_group = _rep_rank_group(layout, rank)
     tracker = RNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, cfg.random_seed + layout.coords(rank).tp)
@@ -80,6 +83,15 @@ def _device_type() -> str:
     """"cuda" when the default group talks NCCL (or SMDDP, which maps to it), else "cpu"."""
     backend = str(dist.get_backend())
     return "cuda" if ("nccl" in backend or "smddp" in backend) and torch.cuda.is_available() else "cpu"
+
+
+def _select_gpu(rank: int) -> None:
+    """AWS's scripts call ``torch.cuda.set_device(rank % device_count)`` only after ``tsm.init()``, while the mesh's
+    NCCL groups are made here: a process still on the default GPU 0 moves to that same GPU now, so that the
+    groups of one node are not all created on GPU 0. A device the script already chose is kept."""
+    index = rank % torch.cuda.device_count()
+    if torch.cuda.current_device() == 0 and index != 0:
+        torch.cuda.set_device(index)
 
 
 def _join_process_group() -> int:

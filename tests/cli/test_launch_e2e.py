@@ -220,16 +220,16 @@ V2_DISTRIBUTION = {"torch_distributed": {"enabled": True},
 @pytest.mark.parametrize(("raw", "major"), [
     (DISTRIBUTION, SMP_V1), (PARAMETERS, SMP_V1), (DISTRIBUTION["smdistributed"], SMP_V1),
     ({"torch_distributed": {"enabled": True}, "pipeline_parallel_degree": 2}, SMP_V1),  # no SMP section
-    (V2_DISTRIBUTION, SMP_V2),
+    (V2_DISTRIBUTION, SMP_V2), ({"hybrid_shard_degree": 2}, SMP_V2),  # bare parameters with a v2-only key
 ])  # fmt: skip
 def test_the_smp_major_version_is_sagemakers_rule(raw: dict[str, Any], major: int) -> None:
     assert smp_major(raw) == major
 
 
-def test_an_smp_v2_distribution_is_named_not_checked_as_v1(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _dry_run(capsys, "--config", json.dumps(V2_DISTRIBUTION))
-    assert code == 2
-    assert "SMP v2 (torch.sagemaker)" in err and "hybrid_shard_degree" not in err
+def test_an_smp_v2_distribution_is_launched_as_v2_not_checked_as_v1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _dry_run(capsys, "--nproc-per-node", "2", "--config", json.dumps(V2_DISTRIBUTION))
+    assert code == 0, err
+    assert "SMP v2 (torch.sagemaker)" in out and "unknown key" not in err  # v2's layout: tests/v2/test_v2_launch.py
 
 
 def test_plan_uses_processes_per_host_and_exports_sagemaker_variables() -> None:

@@ -60,14 +60,14 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
 
 
-def reference_training(dp: int, steps: int = STEPS, amp_dtype: torch.dtype | None = None) -> tuple[list[float], dict]:
+def reference_training(dp: int, steps: int = STEPS) -> tuple[list[float], dict]:
     """One process: each step the mean loss over the ``dp`` ranks' batches, global-norm clipping, AdamW."""
     model = tiny_llama()
     opt = adamw(model)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        total = sum(_loss(model, batch(step, r), amp_dtype) for r in range(dp)) / dp
+        total = sum(_loss(model, batch(step, r)) for r in range(dp)) / dp
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -75,7 +75,41 @@ def reference_training(dp: int, steps: int = STEPS, amp_dtype: torch.dtype | Non
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _loss(model: nn.Module, ids: torch.Tensor, amp_dtype: torch.dtype | None) -> torch.Tensor:
+def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS) -> tuple[list[float], dict]:
+    """One process doing what MixedPrecision(dtype, dtype, fp32 buffers) does: fp32 masters and optimizer,
+    forward and backward in ``dtype`` per data-parallel rank, gradients summed in ``dtype`` within each shard
+    group, then across replicas (HSDP's reduce-scatter, then all-reduce), divided by ``dp``, then fp32."""
+    import copy
+
+    master = tiny_llama()
+    opt = adamw(master)
+    losses = []
+    for step in range(steps):
+        work = copy.deepcopy(master)
+        for p in work.parameters():
+            p.data = p.data.to(dtype)
+        per_rank, step_losses = [], []
+        for r in range(dp):
+            work.zero_grad(set_to_none=True)
+            loss = _loss(work, batch(step, r))
+            loss.backward()
+            step_losses.append(loss.float().item())
+            per_rank.append([p.grad for p in work.parameters()])
+        groups = [functools.reduce(_add, per_rank[g : g + shard]) for g in range(0, dp, shard)]
+        for p, g in zip(master.parameters(), functools.reduce(_add, groups)):
+            p.grad = (g / dp).float()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / dp)
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def _add(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x + y for x, y in zip(a, b)]
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, attention_mask=None, labels=ids)["loss"]
 
 
@@ -150,8 +184,8 @@ def init_v2(hybrid_shard_degree: int, tp: int = 1, local_world_size: int | None 
     """``tsm.init`` as a fresh job would run it (a second call in one test process starts over)."""
     import os
 
+    import smp_compat.v2  # noqa: F401 - installs the torch.sagemaker finder, as `smp-compat run` does
     import torch.sagemaker as tsm
-
     from smp_compat.v2.state import reset
 
     reset()

@@ -112,3 +112,20 @@ def test_load_state_dict_from_rank0_refuses_rank0_on_meta() -> None:
     with pytest.raises(AssertionError) as failure:  # RankFailure: both ranks raise, none hangs
         run_ranks(_rank0_on_meta, 2, timeout=60)
     assert str(failure.value).count("SMPConfigError: torch.sagemaker.transform(load_state_dict_from_rank0=True)") == 2
+
+
+def _all_reduces(family: str) -> int:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _init_tp2().transform(th.build(family))
+    ids = th.batches(1)[0]
+    with CommDebugMode() as mode:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return sum(count for op, count in mode.get_comm_counts().items() if "all_reduce" in str(op))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_one_all_reduce_per_block_each_way(family: str) -> None:
+    """Megatron's count: attention and MLP each all-reduce once forward (row-wise output) and once backward
+    (the input gradient of all their column-wise projections together: q, k and v are three)."""
+    assert run_ranks(_all_reduces, 2, family, timeout=60) == [th.LAYERS * 2 * 2] * 2

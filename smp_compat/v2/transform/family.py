@@ -31,7 +31,8 @@ class Family:
     """What ``transform`` needs to know about one Hugging Face model family.
 
     ``colwise``/``rowwise``: submodule paths inside a decoder layer whose Linear output (resp. input) features
-    are split over the tp group. ``attention``: the attention submodule's path. ``head_attributes``: names of
+    are split over the tp group. ``attention``: the attention submodule's path; ``blocks``: the submodules
+    (attention, MLP) whose input feeds several column-wise projections. ``head_attributes``: names of
     attention-module attributes that older transformers releases read in ``forward`` as head counts or widths,
     mapped to the local value they take (``heads``, ``kv_heads`` or ``width``: local heads times head size).
     """
@@ -42,6 +43,7 @@ class Family:
     heads: Callable[[Any], HeadCounts]
     intermediate: Callable[[Any], int]
     attention: str
+    blocks: tuple[str, ...]
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     head_attributes: Mapping[str, str] = field(default_factory=dict)

@@ -29,6 +29,7 @@ FAMILY = Family(
     heads=_heads,
     intermediate=lambda config: config.intermediate_size,
     attention="attention",
+    blocks=("attention", "mlp"),
     colwise=("attention.query_key_value", "mlp.dense_h_to_4h"),
     rowwise=("attention.dense", "mlp.dense_4h_to_h"),
     head_attributes={"num_attention_heads": "heads", "hidden_size": "width"},

@@ -30,6 +30,7 @@ FAMILY = Family(
     heads=decoder_heads,
     intermediate=lambda config: config.intermediate_size,
     attention="self_attn",
+    blocks=("self_attn", "mlp"),
     colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
     rowwise=("self_attn.o_proj", "mlp.down_proj"),
     # transformers 4.x reshapes with these; 5.x infers the head count from the local tensor
