@@ -7,13 +7,12 @@ full save is a Hugging Face folder stock ``from_pretrained`` loads, giving the t
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launching import ROOT, clean_env, free_port, run_all
+from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
 
 pytestmark = pytest.mark.hf
 
@@ -22,16 +21,11 @@ CONFIG = ROOT / "examples" / "configs" / "v2_tp2_hsd2.json"
 
 
 def _job(tmp_path: Path, name: str, *args: str) -> tuple[list[str], dict[str, str]]:
-    """One torchrun job with SageMaker's SM_HP_MP_PARAMETERS and torch.sagemaker importable in every worker."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text("import smp_compat.v2  # installs the torch.sagemaker finder\n")
-    params = json.loads(CONFIG.read_text())["smdistributed"]["modelparallel"]["parameters"]
-    env = clean_env(SM_HP_MP_PARAMETERS=json.dumps(params), PYTHONPATH=f"{site}:{ROOT}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           str(EXAMPLE), "--max_steps", "4", "--checkpoint_freq", "2", "--losses_out", str(tmp_path / f"{name}.json"),
-           *args]  # fmt: skip
-    return cmd, env
+    """The README's command: ``smp-compat run --nproc-per-node 4 --config <v2 distribution> examples/v2/train.py``."""
+    cmd = [*smp_compat_command(), "run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           "--config", str(CONFIG), str(EXAMPLE), "--max_steps", "4", "--checkpoint_freq", "2",
+           "--losses_out", str(tmp_path / f"{name}.json"), *args]  # fmt: skip
+    return cmd, clean_env(PYTHONPATH=str(ROOT))
 
 
 def test_v2_example_trains_resumes_bitwise_and_saves_a_hugging_face_model(tmp_path: Path) -> None:
