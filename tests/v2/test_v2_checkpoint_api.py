@@ -67,7 +67,7 @@ def _coordinator_body() -> list[int]:
 
 
 def test_global_coordinator_rank_becomes_the_group_rank() -> None:
-    results = run_ranks(_coordinator_body, 3, timeout=60)
+    results = run_ranks(_coordinator_body, 3, timeout=120)
     assert results[1] == results[2] == [0, 1, -1]
 
 
