@@ -70,15 +70,19 @@ def _view(t: DTensor, members: set[int]) -> DTensor:
             "pass the FSDP model's process group."
         )
     shape = list(t.shape)
-    split_outside = {t.placements[d].dim: d for d in outside if _is_split(t.placements[d])}  # type: ignore[attr-defined]
-    for tensor_dim, d in split_outside.items():
-        shape[tensor_dim] = _chunk(shape[tensor_dim], mesh.size(d), coord[d])
+    split_outside: dict[int, int] = {}  # tensor dim -> the last mesh dim outside the group that splits it
+    for d in outside:
+        p = t.placements[d]
+        if _is_split(p):
+            shape[p.dim] = _chunk(shape[p.dim], mesh.size(d), coord[d])  # type: ignore[attr-defined]
+            split_outside[p.dim] = d  # type: ignore[attr-defined]
     placements: list[Placement] = []
     for d in inside:
         p = t.placements[d]
         if _is_split(p):
             dim = p.dim  # type: ignore[attr-defined]
-            if dim in split_outside and type(p) is Shard and split_outside[dim] < d:
+            # a plain Shard applied before an outside split leaves the group strided pieces, not one slice
+            if type(p) is Shard and split_outside.get(dim, -1) > d:
                 raise CheckpointError(f"Unsupported DTensor layout for a group checkpoint: {t.placements}.")
             p = Shard(dim)
         elif not isinstance(p, Replicate):
