@@ -182,7 +182,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     pg_meta = (model.process_group, min(get_global_ranks(model.process_group)),
                tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0)  # fmt: skip
-    total_steps = load_sharded(model, optimizer, args.resume_from_checkpoint, pg_meta) if args.resume_from_checkpoint else 0
+    total_steps = 0
+    if args.resume_from_checkpoint:
+        total_steps = load_sharded(model, optimizer, args.resume_from_checkpoint, pg_meta)
     losses = {}
     while total_steps < args.max_steps:
         loss = train_step(args, model, optimizer, total_steps)

@@ -122,7 +122,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Devic
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, layout: Layout,
                  folder: str, extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """As checkpoints.py's sharded load: model + counters, then the optimizer through load_sharded_optimizer_state_dict."""
+    """As checkpoints.py's sharded load: model and counters, then load_sharded_optimizer_state_dict."""
     group, coordinator, _ = shard_group_metadata(mesh)
     path = tp_folder(folder, mesh, layout)
     state = {"model": get_model_state_dict(model)} | extra

@@ -84,7 +84,8 @@ def async_save(
     del sharded_strategy, wait_error_handling, force_check_all_plans  # one strategy; DCP checks every plan
     _refuse_s3(checkpoint_id, s3_region, s3client_config)
     _check_coordinator(process_group, coordinator_rank)
-    call = dcp.async_save(localize(state_dict, process_group), checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+    view = localize(state_dict, process_group)  # one complete checkpoint per tp folder (group_view)
+    call = dcp.async_save(view, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                           process_group=_writer_group(process_group))  # fmt: skip
     request = AsyncRequest(call, str(checkpoint_id or getattr(storage_writer, "path", "")))
     (queue if queue is not None else _DEFAULT_QUEUE).schedule_async_call(request)
@@ -106,7 +107,8 @@ def save(
     """DCP's ``save`` with SMP's global ``coordinator_rank``; returns DCP's metadata."""
     _refuse_s3(checkpoint_id, s3_region, s3client_config)
     _check_coordinator(process_group, coordinator_rank)
-    return dcp.save(localize(state_dict, process_group), checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+    view = localize(state_dict, process_group)
+    return dcp.save(view, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                     process_group=process_group)  # fmt: skip
 
 
