@@ -7,7 +7,7 @@ given contains a façade root. So plain FSDP1 objects keep stock behaviour in th
 * ``FullyShardedDataParallel.__new__``: after ``tsm.init()`` it returns the FSDP2-sharded module
   (build.py). Python skips ``__init__`` because that object is not an FSDP1 instance.
 * ``state_dict_type``, ``set_state_dict_type``, ``optim_state_dict``, ``optim_state_dict_to_load``:
-  state_dicts.py for façade models.
+  state_dicts.py for façade models; ``summon_full_params`` refuses them (FSDP1's would silently do nothing).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from smp_compat.errors import SMPUnsupportedError
 from smp_compat.v2.fsdp import build, context, state_dicts
 
 __all__ = ["install", "installed"]
@@ -35,13 +36,15 @@ def install() -> None:
     """Patch the FSDP1 class (idempotent)."""
     if _ORIGINAL:
         return
-    for name in ("state_dict_type", "set_state_dict_type", "optim_state_dict", "optim_state_dict_to_load"):
+    for name in ("state_dict_type", "set_state_dict_type", "optim_state_dict", "optim_state_dict_to_load",
+                 "summon_full_params"):  # fmt: skip
         _ORIGINAL[name] = FSDP.__dict__[name]
     FSDP.__new__ = staticmethod(_new)  # type: ignore[method-assign,assignment]
     FSDP.state_dict_type = staticmethod(_state_dict_type)  # type: ignore[method-assign,assignment]
     FSDP.set_state_dict_type = staticmethod(_set_state_dict_type)  # type: ignore[method-assign,assignment]
     FSDP.optim_state_dict = staticmethod(_optim_state_dict)  # type: ignore[method-assign,assignment]
     FSDP.optim_state_dict_to_load = staticmethod(_optim_state_dict_to_load)  # type: ignore[method-assign,assignment]
+    FSDP.summon_full_params = staticmethod(_summon_full_params)  # type: ignore[method-assign,assignment]
 
 
 def _new(cls: type, module: nn.Module | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -96,3 +99,12 @@ def _optim_state_dict_to_load(model: nn.Module, optim: Any, optim_state_dict: An
     if not roots:
         return _original("optim_state_dict_to_load")(model, optim, optim_state_dict, *args, **kwargs)
     return state_dicts.optim_state_dict_to_load(model, optim, optim_state_dict, roots[0])
+
+
+def _summon_full_params(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not state_dicts.roots_in(module):
+        return _original("summon_full_params")(module, *args, **kwargs)
+    raise SMPUnsupportedError(
+        "FSDP.summon_full_params on a model sharded after tsm.init() (FSDP2): use FSDP.state_dict_type(model, "
+        "StateDictType.FULL_STATE_DICT) and model.state_dict() for full weights."
+    )

@@ -23,6 +23,7 @@ into ``optim`` (``set_optimizer_state_dict``) and returns ``optim.state_dict()``
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,14 +94,28 @@ def _after_state_dict(module: nn.Module, sd: dict[str, Any], prefix: str, _meta:
         return sd
     cfg = s.state_dict_config if isinstance(s.state_dict_config, FullStateDictConfig) else FullStateDictConfig()
     keep = not cfg.rank0_only or dist.get_rank() == 0
-    for k in keys:
-        value = sd[k]
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if not keep:
-            del sd[k]
-            continue
-        sd[k] = full.detach().cpu() if cfg.offload_to_cpu else full.detach()
+    with _quiet_redistribution():
+        for k in keys:
+            value = sd[k]
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if not keep:
+                del sd[k]
+                continue
+            sd[k] = full.detach().cpu() if cfg.offload_to_cpu else full.detach()
     return sd
+
+
+@contextlib.contextmanager
+def _quiet_redistribution() -> Iterator[None]:
+    """Gathering a tp x FSDP parameter logs, per parameter, that it takes two all-gathers (it must: the FSDP
+    shard is strided over the tp one); one warning per tensor of a full save is noise, so it is silenced."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _before_load(module: nn.Module, sd: dict[str, Any], prefix: str, *_: Any) -> None:
