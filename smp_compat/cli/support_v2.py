@@ -58,13 +58,19 @@ _ROWS: list[tuple[str, list[_Row]]] = [
         ("checkpoint.utils.SORT_BY_LAST_INT", _S, "", ""),
         ("distributed.checkpoint.async_utils.AsyncCallsQueue", _S, "", ""),
         ("distributed.checkpoint.state_dict_saver.async_save", _P, "DCP's async save with the scripts' global "
-         "coordinator rank; S3 paths are refused.", "Save to a local or shared file system."),
-        ("distributed.checkpoint.state_dict_saver.save", _S, "", ""),
+         "coordinator rank (the group's lowest rank, as the scripts pass; others are refused); written by a "
+         "background thread over its own gloo group; S3 (s3_region, s3client_config, s3://) is refused.",
+         "Save to a local or shared file system."),
+        ("distributed.checkpoint.state_dict_saver.save", _P, "DCP's save with the global coordinator rank; S3 "
+         "is refused.", "Save to a local or shared file system."),
         ("distributed.checkpoint.state_dict_saver.maybe_finalize_async_calls", _S, "", ""),
-        ("distributed.checkpoint.state_dict_saver.PyTorchDistSaveShardedStrategy", _S, "", ""),
+        ("distributed.checkpoint.state_dict_saver.PyTorchDistSaveShardedStrategy", _P, "Accepted as async_save's "
+         "sharded_strategy; the writer is always DCP's file-per-rank one.", ""),
         ("distributed.checkpoint.state_dict_loader.load", _S, "", ""),
         ("distributed.checkpoint.filesystem.DistributedFileSystemReader", _S, "", ""),
-        ("distributed.checkpoint.state_dict_utils.sm_state_dict_type", _S, "", ""),
+        ("distributed.checkpoint.state_dict_utils.sm_state_dict_type", _S, "SM_LOCAL_STATE_DICT is the FSDP "
+         "model's sharded state dict (this rank's shard, no collective); other types go to FSDP.state_dict_type.",
+         ""),
         ("distributed.checkpoint.state_dict_utils.SMStateDictType", _S, "", ""),
         ("distributed.checkpoint.state_dict_utils.init_optim_state", _S, "", ""),
         ("distributed.fsdp", _U, "SMP's own FSDP module paths (checkpoint helpers removed in SMP 2.7; HyperPod's "

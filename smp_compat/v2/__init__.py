@@ -12,6 +12,7 @@ import sys
 import types
 from typing import Any
 
+from smp_compat.v2.dcp_compat import install as install_dcp_wrappers
 from smp_compat.v2.finder import install_finder
 from smp_compat.v2.standins.backend import install_backend_mapping
 from smp_compat.v2.startup import init, is_initialized
@@ -56,3 +57,4 @@ del state  # served by _Package.state from here on
 sys.modules[__name__].__class__ = _Package
 install_finder()
 install_backend_mapping()  # before the script's dist.init_process_group("smddp" | "nccl"), which precedes tsm.init
+install_dcp_wrappers()  # before the script's `from torch.distributed.checkpoint... import`; inert until tsm.init

@@ -1,0 +1,1 @@
+"""``torch.sagemaker.distributed``: SMP v2's distributed helpers (checkpointing in ``checkpoint``)."""
