@@ -137,8 +137,7 @@ def test_moe_config_and_cp_comm_type_are_checked_before_anything_runs() -> None:
 @pytest.mark.parametrize(
     ("module", "name"),
     [("smp_compat.v2.nn.attn", "FlashSelfAttention"), ("smp_compat.v2.nn.attn", "FlashGroupedQueryAttention"),
-     ("smp_compat.v2.nn.huggingface.llama_flashattn", "LlamaFlashAttention"),
-     ("smp_compat.v2.moe.moe_layer", "MoELayer")],
+     ("smp_compat.v2.nn.huggingface.llama_flashattn", "LlamaFlashAttention")],
 )  # fmt: skip
 def test_import_only_classes_refuse_to_be_built(module: str, name: str) -> None:
     cls = getattr(importlib.import_module(module), name)

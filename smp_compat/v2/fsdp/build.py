@@ -98,7 +98,7 @@ def _shard_experts(own: list[nn.Module], layout: FsdpLayout, options: dict[str, 
     for m in own:
         if isinstance(m, LocalExperts):
             fully_shard(m, **{**options, "mesh": layout.expert_mesh}, reshard_after_forward=layout.reshard_after_forward)
-            m.set_gradient_divide_factor(float(layout.mesh.size()))  # every data-parallel rank's tokens
+            m.grad_scale = layout.expert_mesh.size() / layout.mesh.size()  # FSDP averages over fewer ranks
 
 
 def _keywords(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

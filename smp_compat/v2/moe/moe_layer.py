@@ -34,6 +34,7 @@ class LocalExperts(nn.Module):
         self.down_proj = nn.Parameter(down_proj)
         self.act_fn = act_fn
         self.first = first  # global index of expert 0 here
+        self.grad_scale = 1.0  # the FSDP façade sets 1/ep: these gradients already hold every ep peer's tokens
 
     @property
     def num_experts(self) -> int:
@@ -41,11 +42,27 @@ class LocalExperts(nn.Module):
 
     def forward(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """``rows[j]``: tokens for local expert j -> that expert's outputs (Mixtral's SwiGLU MLP)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.grad_scale != 1.0:
+            gate_up, down = _ScaleGrad.apply(gate_up, self.grad_scale), _ScaleGrad.apply(down, self.grad_scale)
         out = []
         for j, x in enumerate(rows):
-            gate, up = F.linear(x, self.gate_up_proj[j]).chunk(2, dim=-1)
-            out.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
+            gate, up = F.linear(x, gate_up[j]).chunk(2, dim=-1)
+            out.append(F.linear(self.act_fn(gate) * up, down[j]))
         return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 class _JoinBackward(torch.autograd.Function):
