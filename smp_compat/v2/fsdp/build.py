@@ -97,7 +97,8 @@ def _shard_experts(own: list[nn.Module], layout: FsdpLayout, options: dict[str, 
 
     for m in own:
         if isinstance(m, LocalExperts):
-            fully_shard(m, **{**options, "mesh": layout.expert_mesh}, reshard_after_forward=layout.reshard_after_forward)
+            fully_shard(m, **{**options, "mesh": layout.expert_mesh},
+                        reshard_after_forward=layout.reshard_after_forward)  # fmt: skip
             m.grad_scale = layout.expert_mesh.size() / layout.mesh.size()  # FSDP averages over fewer ranks
 
 

@@ -90,6 +90,7 @@ def transform_moe(model: nn.Module, config: object, device: object, dtype: objec
             "rank 0 holds only its own experts after the split; load the checkpoint on every rank instead."
         )
     move(model, device, dtype)  # type: ignore[operator]
-    for layer in moe_transform(model, config, state.world_size, state.rank, state.dp_rank, ep):  # type: ignore[arg-type]
+    layers = moe_transform(model, config, state.world_size, state.rank, state.dp_rank, ep)  # type: ignore[arg-type]
+    for layer in layers:
         mark_transformer_layer(layer)
     return model

@@ -74,7 +74,8 @@ def fsdp_meshes(device_type: str, world: int, rep: int, shard: int, ep: int, tp:
             f"group lies inside a shard group. Set hybrid_shard_degree to a multiple of {ep} (not 1)."
         )
     ranks = torch.arange(world).view(rep, shard // ep, ep)
-    shared = DeviceMesh(device_type, ranks.permute(0, 2, 1).reshape(rep * ep, shard // ep), mesh_dim_names=("rep", "shard"))
+    flat = ranks.permute(0, 2, 1).reshape(rep * ep, shard // ep)
+    shared = DeviceMesh(device_type, flat, mesh_dim_names=("rep", "shard"))
     by_ep = DeviceMesh(device_type, ranks.permute(2, 0, 1), mesh_dim_names=("ep", "rep", "shard"))
     experts = by_ep["rep", "shard"]
     _EXPERT_MESHES.append(experts)
@@ -82,7 +83,8 @@ def fsdp_meshes(device_type: str, world: int, rep: int, shard: int, ep: int, tp:
 
 
 def is_expert_mesh(mesh: DeviceMesh) -> bool:
-    return any(m is mesh or (m.mesh.shape == mesh.mesh.shape and torch.equal(m.mesh, mesh.mesh)) for m in _EXPERT_MESHES)
+    return any(m is mesh or (m.mesh.shape == mesh.mesh.shape and torch.equal(m.mesh, mesh.mesh))
+               for m in _EXPERT_MESHES)  # fmt: skip
 
 
 def expert_weight(mesh: DeviceMesh, ep: int) -> float:

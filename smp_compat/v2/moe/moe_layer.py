@@ -66,7 +66,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class _JoinBackward(torch.autograd.Function):
-    """Returns ``out`` unchanged; in backward gives ``extra`` (a scalar loss) the gradient 1, as if added to the loss."""
+    """Returns ``out`` unchanged; backward gives ``extra`` (a scalar loss) gradient 1, as if added to the loss."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
