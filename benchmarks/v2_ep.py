@@ -16,11 +16,15 @@ Figure of merit: median over rounds of time(hand) / time(tsm), target >= 0.9. Ex
 read timings taken on a loaded machine.
 
     python benchmarks/v2_ep.py [--world 2 --ep 2 --hidden 128 --layers 2 --experts 8 --seq 128 --batch 4 --rounds 5]
+    torchrun --nproc-per-node 2 benchmarks/v2_ep.py --hidden 1024 --seq 1024   # GPUs, NCCL (benchmarks/v2_gpu.sh)
+
+Without a launcher it forks ``--world`` CPU ranks (gloo); under torchrun each rank uses its GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -45,7 +49,11 @@ def _mixtral(ns: argparse.Namespace) -> nn.Module:
                         num_local_experts=ns.experts, num_experts_per_tok=2, tie_word_embeddings=False,
                         use_cache=False, attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(0)
-    return MixtralForCausalLM(cfg)
+    return MixtralForCausalLM(cfg).to(_device())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 class HandMoE(nn.Module):
@@ -99,7 +107,7 @@ def _tsm_variant(ns: argparse.Namespace) -> tuple[nn.Module, Any]:
     model = tsm.transform(_mixtral(ns), config=MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0))
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
     model = FSDP(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                 device_id=torch.device("cpu"), use_orig_params=True)  # fmt: skip
+                 device_id=_device(), use_orig_params=True)  # fmt: skip
     return model, lambda: _clip(model)
 
 
@@ -115,8 +123,9 @@ def _hand_variant(ns: argparse.Namespace) -> tuple[nn.Module, Any]:
 
     world, ep, rank = dist.get_world_size(), ns.ep, dist.get_rank()
     ranks = torch.arange(world).view(1, world // ep, ep)
-    shared = DeviceMesh("cpu", ranks.permute(0, 2, 1).reshape(ep, world // ep), mesh_dim_names=("rep", "shard"))
-    experts = DeviceMesh("cpu", ranks.permute(2, 0, 1), mesh_dim_names=("ep", "rep", "shard"))["rep", "shard"]
+    kind = _device().type
+    shared = DeviceMesh(kind, ranks.permute(0, 2, 1).reshape(ep, world // ep), mesh_dim_names=("rep", "shard"))
+    experts = DeviceMesh(kind, ranks.permute(2, 0, 1), mesh_dim_names=("ep", "rep", "shard"))["rep", "shard"]
     group = dist.new_group(list(range(rank - rank % ep, rank - rank % ep + ep)))
     model = _mixtral(ns)
     for layer in model.model.layers:
@@ -129,7 +138,7 @@ def _hand_variant(ns: argparse.Namespace) -> tuple[nn.Module, Any]:
 
 
 def _hand_clip(model: nn.Module, ep: int) -> None:
-    sq = torch.zeros(())
+    sq = torch.zeros((), device=_device())
     for name, p in model.named_parameters():
         if p.grad is not None:
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -153,7 +162,7 @@ def _rank(ns: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in variants}
     losses: dict[str, list[float]] = {k: [] for k in variants}
     for rnd in range(ns.rounds + 1):
-        ids = torch.randint(0, ns.vocab, (ns.batch, ns.seq), generator=g)
+        ids = torch.randint(0, ns.vocab, (ns.batch, ns.seq), generator=g).to(_device())
         for name, (model, clip) in variants.items():
             dist.barrier()
             start = time.perf_counter()
@@ -163,6 +172,8 @@ def _rank(ns: argparse.Namespace) -> dict[str, Any]:
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)
             dist.barrier()
+            if _device().type == "cuda":
+                torch.cuda.synchronize()
             if rnd:  # round 0 warms up
                 times[name].append(time.perf_counter() - start)
             losses[name].append(loss.item())
@@ -175,7 +186,15 @@ def main(argv: list[str] | None = None) -> int:
                           ("batch", 4), ("rounds", 5), ("vocab", 512)):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
     ns = p.parse_args(argv)
-    results = run_ranks(_rank, ns.world, ns, timeout=1800)
+    if "RANK" in os.environ:  # torchrun: one GPU per rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        ns.world = dist.get_world_size()
+        results = [_rank(ns)]
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        results = run_ranks(_rank, ns.world, ns, timeout=1800)
     times = results[0]["times"]
     ratios = [h / t for h, t in zip(times["hand"], times["tsm"])]
     ratio = statistics.median(ratios)
