@@ -56,6 +56,21 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+class HandExperts(nn.Module):
+    """This rank's experts (their own FSDP unit on the experts' mesh)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(w1), nn.Parameter(w2)
+
+    def forward(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        outs = []
+        for j, x in enumerate(rows):
+            g, u = F.linear(x, self.w1[j]).chunk(2, -1)
+            outs.append(F.linear(F.silu(g) * u, self.w2[j]))
+        return outs
+
+
 class HandMoE(nn.Module):
     """Top-2 softmax routing, all-to-all to the experts' ranks and back (the baseline)."""
 
@@ -63,8 +78,9 @@ class HandMoE(nn.Module):
         super().__init__()
         per = block.experts.gate_up_proj.shape[0] // ep
         self.router = nn.Parameter(block.gate.weight.detach().clone())
-        self.w1 = nn.Parameter(block.experts.gate_up_proj.detach()[ep_rank * per : (ep_rank + 1) * per].clone())
-        self.w2 = nn.Parameter(block.experts.down_proj.detach()[ep_rank * per : (ep_rank + 1) * per].clone())
+        rows = slice(ep_rank * per, (ep_rank + 1) * per)
+        self.experts = HandExperts(block.experts.gate_up_proj.detach()[rows].clone(),
+                                   block.experts.down_proj.detach()[rows].clone())  # fmt: skip
         self.group, self.ep, self.per = group, ep, per
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -82,10 +98,8 @@ class HandMoE(nn.Module):
         rows = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x[order // 2], recv, send, group=self.group)
         pieces = rows.split(got.flatten().tolist())
         outs: list[Any] = [None] * len(pieces)
-        for j in range(self.per):
-            mine = torch.cat(pieces[j :: self.per])
-            g, u = F.linear(mine, self.w1[j]).chunk(2, -1)
-            y = F.linear(F.silu(g) * u, self.w2[j])
+        ys = self.experts([torch.cat(pieces[j :: self.per]) for j in range(self.per)])
+        for j, y in enumerate(ys):
             for src, part in enumerate(y.split(got[:, j].tolist())):
                 outs[src * self.per + j] = part
         back = all_to_all_single(x.new_empty(sum(send), x.shape[1]), torch.cat(outs), send, recv, group=self.group)
@@ -130,8 +144,9 @@ def _hand_variant(ns: argparse.Namespace) -> tuple[nn.Module, Any]:
     model = _mixtral(ns)
     for layer in model.model.layers:
         layer.mlp = HandMoE(layer.mlp, group, ep, rank % ep)
-        for p in (layer.mlp.w1, layer.mlp.w2):
-            p.register_hook(lambda g: g / ep)
+        for p in layer.mlp.experts.parameters():
+            p.register_hook(lambda g: g / ep)  # they hold every ep peer's tokens; FSDP averages over world / ep
+        fully_shard(layer.mlp.experts, mesh=experts)
         fully_shard(layer, mesh=shared)
     fully_shard(model, mesh=shared)
     return model, lambda: _hand_clip(model, ep)
@@ -142,7 +157,7 @@ def _hand_clip(model: nn.Module, ep: int) -> None:
     for name, p in model.named_parameters():
         if p.grad is not None:
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            share = 1.0 if name.endswith((".w1", ".w2")) else 1.0 / ep  # shared weights sit on ep copies
+            share = 1.0 if ".experts." in name else 1.0 / ep  # shared weights: ep copies of each shard
             sq += share * local.float().pow(2).sum()
     dist.all_reduce(sq)
     coef = torch.clamp(1.0 / (sq.sqrt() + 1e-6), max=1.0)

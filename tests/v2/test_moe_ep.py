@@ -41,8 +41,9 @@ def _train(ep: int, h: int, mode: str) -> dict[str, Any]:
 
     moe_job.init_ep(ep, h)
     model, _, losses = moe_job.scripted_ep_training(MoEConfig(moe_load_balancing=mode))
+    full = fsdp_job.full_params(model) if mode == "none" else None  # the scripts' final FULL save
     return {"losses": losses, "params": moe_job.local_params(model), "ep_rank": tsm.state.ep_rank,
-            "group": dist.get_process_group_ranks(model.process_group)}  # fmt: skip
+            "group": dist.get_process_group_ranks(model.process_group), "full": full}  # fmt: skip
 
 
 def _ep_job(world_modes: list[str], h: int, ckpt: str | None) -> dict[str, Any]:
@@ -72,6 +73,10 @@ def test_ep2_world2_every_load_balancing_and_ep_checkpoint_folders(tmp_path: Pat
     results = run_ranks(_ep_job, 2, list(LOAD_BALANCING), 2, str(tmp_path), timeout=600)
     for mode in LOAD_BALANCING:
         _check(results, mode, 2)
+    full, (_, ref_params) = results[0]["none"]["full"], _reference(2, "none")
+    assert full.keys() == ref_params.keys() and results[1]["none"]["full"] == {}
+    assert fsdp_job.max_diff(full, ref_params) < TOL, "the full save gathers every ep rank's experts"
+    moe_job.tiny_mixtral(seed=3).load_state_dict(full, strict=True)  # a stock Mixtral takes it
     for r, res in enumerate(results):
         assert res[LOAD_BALANCING[0]]["group"] == [r], f"rank {r}: the FSDP group holds one ep rank"
         resume = res["resume"]

@@ -91,3 +91,31 @@ def expert_weight(mesh: DeviceMesh, ep: int) -> float:
     """How many times more a piece on ``mesh`` counts in a global norm than a piece on a whole-world mesh:
     the ep ranks hold different experts, so each expert mesh is one of ``ep`` disjoint parts, not a copy."""
     return float(ep) if is_expert_mesh(mesh) else 1.0
+
+
+def _ep_peers() -> tuple[int, int, dist.ProcessGroup]:
+    from smp_compat.v2.state import state
+
+    ep = state.expert_parallel_degree
+    return ep, state.ep_rank, ep_group(state.world_size, state.rank, ep)
+
+
+def whole_experts(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """A full expert stack from this ep rank's rows (``local``, gathered over its FSDP mesh): every ep rank's
+    rows in order, so a FULL_STATE_DICT is a Hugging Face Mixtral one. Collective over the ep group; other
+    tensors pass through."""
+    if not is_expert_mesh(mesh):
+        return local
+    ep, _, group = _ep_peers()
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def own_experts(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This ep rank's rows of a full expert stack (loading a FULL_STATE_DICT); other tensors pass through."""
+    if not is_expert_mesh(mesh):
+        return full
+    ep, rank, _ = _ep_peers()
+    per = full.shape[0] // ep
+    return full[rank * per : (rank + 1) * per]
