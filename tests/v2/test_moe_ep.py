@@ -240,3 +240,27 @@ def test_refusals_name_the_feature() -> None:
     assert "takes a MoEConfig" in seen[2]
     assert "without config=MoEConfig" in seen[3]
     assert "must divide the FSDP shard group" in seen[4]
+
+
+def _delayed_job() -> dict[str, Any]:
+    """The scripts' delayed-parameter path: transform under init_empty_weights, DelayedParamIniter, FSDP."""
+    import torch.sagemaker as tsm
+    from torch.sagemaker.delayed_param import DelayedParamIniter
+    from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
+
+    moe_job.init_ep(2, 2)
+    with torch.device("meta"):
+        model = moe_job.tiny_mixtral()
+    model = tsm.transform(model, config=MoEConfig())
+    initer = DelayedParamIniter(model)
+    with initer.validate_params_and_buffers_inited():
+        model = fsdp_job.wrap_as_scripts(model, layer=TransformerLayer, param_init_fn=initer.get_param_init_fn(),
+                                         post_param_init_fn=initer.get_post_param_init_fn())  # fmt: skip
+    experts = [p.full_tensor() for n, p in model.named_parameters() if ".experts." in n]
+    return {"std": torch.cat([e.flatten() for e in experts]).std().item(),
+            "finite": all(bool(torch.isfinite(e).all()) for e in experts)}  # fmt: skip
+
+
+def test_delayed_parameters_initialize_the_experts() -> None:
+    for r, res in enumerate(run_ranks(_delayed_job, 2, timeout=300)):
+        assert res["finite"] and 0.015 < res["std"] < 0.025, f"rank {r}: {res}"  # initializer_range 0.02

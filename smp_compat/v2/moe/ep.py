@@ -48,7 +48,8 @@ def ep_group(world: int, rank: int, ep: int) -> dist.ProcessGroup:
         group = dist.new_group(list(range(first, first + ep)))
         if first <= rank < first + ep:
             mine = group
-    assert mine is not None
+    if mine is None:
+        raise SMPConfigError(f"rank {rank} is outside the world of {world} processes.")
     _GROUPS[key] = (dist.group.WORLD, mine)
     return mine
 

@@ -28,13 +28,21 @@ __all__ = ["MoELayer", "LocalExperts"]
 class LocalExperts(nn.Module):
     """This rank's experts as Hugging Face 5.x stacks them: ``gate_up_proj`` [n, 2I, H], ``down_proj`` [n, H, I]."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn: nn.Module, first: int) -> None:
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn: nn.Module, first: int,
+                 init_std: float = 0.02) -> None:  # fmt: skip
         super().__init__()
+        self.init_std = init_std  # Hugging Face's initializer_range, for delayed parameter initialization
         self.gate_up_proj = nn.Parameter(gate_up_proj)
         self.down_proj = nn.Parameter(down_proj)
         self.act_fn = act_fn
         self.first = first  # global index of expert 0 here
         self.grad_scale = 1.0  # the FSDP façade sets 1/ep: these gradients already hold every ep peer's tokens
+
+    def reset_parameters(self) -> None:
+        """Hugging Face's Mixtral initialization of expert weights: normal(0, initializer_range)."""
+        with torch.no_grad():
+            self.gate_up_proj.normal_(0.0, self.init_std)
+            self.down_proj.normal_(0.0, self.init_std)
 
     @property
     def num_experts(self) -> int:
