@@ -85,11 +85,19 @@ def test_ep2_world2_every_load_balancing_and_ep_checkpoint_folders(tmp_path: Pat
         assert resume["next_loss"] == resume["continued_loss"], f"rank {r}: step after resume differs"
 
 
-def test_ep2_x_shard2_world4() -> None:
-    results = run_ranks(_ep_job, 4, ["sinkhorn"], 4, None, timeout=600)
+def _world4_job() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    # hybrid shard 4: ep 2 x 2 shards per ep rank; hybrid shard 2: ep 2 x 1, two replicas
+    return {"sinkhorn": _train(2, 4, "sinkhorn"), "aux_loss": _train(2, 2, "aux_loss")}
+
+
+def test_ep2_x_shard2_world4_and_ep2_x_2_replicas() -> None:
+    results = run_ranks(_world4_job, 4, timeout=600)
     _check(results, "sinkhorn", 4)
+    _check(results, "aux_loss", 4)
     for r, res in enumerate(results):
         assert res["sinkhorn"]["group"] == [r % 2, r % 2 + 2], f"rank {r}: shard group of one ep rank"
+        assert res["aux_loss"]["group"] == [r], f"rank {r}"
 
 
 def _save_and_resume(root: str) -> dict[str, Any]:
