@@ -188,7 +188,8 @@ def _create_optimizer_state(model: Any, opt: torch.optim.Optimizer) -> None:
 
 
 def _hf_equal_job() -> dict[str, Any]:
-    """ep 1, load balancing none, no z loss: the transformed model is stock Mixtral (forward and gradients)."""
+    """ep 1, load balancing none, no z loss: the transformed model is stock Mixtral (forward and gradients),
+    also with the scripts' fp8-MoE activation checkpointing around each MoELayer."""
     import copy
 
     import torch.sagemaker as tsm
@@ -197,13 +198,25 @@ def _hf_equal_job() -> dict[str, Any]:
     moe_job.init_ep(1, 1)
     stock = moe_job.tiny_mixtral()
     model = tsm.transform(copy.deepcopy(stock), config=MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0))
+    layers = sum(isinstance(m, MoELayer) for m in model.modules())
+    # train_utils.apply_activation_checkpoint_moe (fp8 + MoE): NO_REENTRANT checkpointing on each MoELayer
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=None)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, MoELayer))
     ids = fsdp_job.batch(0, 0)
     outs = [m(input_ids=ids, labels=ids) for m in (stock, model)]
     for o in outs:
         o["loss"].backward()
-    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (stock, model)]
-    return {"moe_layers": sum(isinstance(m, MoELayer) for m in model.modules()),
-            "names": (sorted(stock.state_dict()), sorted(model.state_dict())),
+    grads = [{n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in m.named_parameters()}
+             for m in (stock, model)]  # fmt: skip
+    return {"moe_layers": layers, "wrapped": sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
+            "names": (sorted(stock.state_dict()),
+                      sorted(k.replace("_checkpoint_wrapped_module.", "") for k in model.state_dict())),
             "logits": (outs[0]["logits"] - outs[1]["logits"]).abs().max().item(),
             "loss": (outs[0]["loss"], outs[1]["loss"]),
             "grads": max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])}  # fmt: skip
@@ -211,7 +224,7 @@ def _hf_equal_job() -> dict[str, Any]:
 
 def test_ep1_none_equals_stock_mixtral() -> None:
     (res,) = run_ranks(_hf_equal_job, 1, timeout=300)
-    assert res["moe_layers"] == 2
+    assert res["moe_layers"] == 2 and res["wrapped"] == 2, res
     assert res["names"][0] == res["names"][1], "Hugging Face names kept"
     assert res["logits"] < 1e-5 and res["grads"] < 1e-5, res
     torch.testing.assert_close(res["loss"][0], res["loss"][1], rtol=0, atol=1e-6)
