@@ -36,9 +36,12 @@ _ROWS: list[tuple[str, list[_Row]]] = [
          "transformed model (the scripts' wrap policy and activation checkpointing).", ""),
         ("tensor_parallel.transformer.TETransformerLayer", _P, "SMP's name on torch < 2.2: AWS's fsdp_utils picks "
          "TransformerLayer on every torch smp_compat runs on; here the same class.", ""),
-        ("moe.moe_config.MoEConfig", _P, "Importable; transform(config=MoEConfig(...)) is refused. " + _ISSUE_35,
-         "Train MoE models without SMP's MoE, or wait for issue 35."),
-        ("moe.moe_layer.MoELayer", _P, "For isinstance checks only (no model contains it).", ""),
+        ("moe.moe_config.MoEConfig", _P, "transform(model, config=MoEConfig(...)) runs Hugging Face Mixtral "
+         "(transformers >= 5) with SMP's MoE layer and expert parallelism: all four moe_load_balancing options, "
+         "moe_aux_loss_coeff and moe_z_loss_coeff, dropless. Not with tp or cp, nor load_state_dict_from_rank0 at "
+         "ep > 1.", "Other MoE models: train them without config=MoEConfig."),
+        ("moe.moe_layer.MoELayer", _S, "Each Mixtral decoder layer's mlp after transform(config=MoEConfig(...)) "
+         "(the scripts' isinstance checks find it).", ""),
         ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _P, _IMPORT_ONLY, "Leave use_smp_flash_attn to "
          "create_model, which turns it off."),
         ("nn.attn.FlashSelfAttention", _P, _IMPORT_ONLY, ""),
@@ -83,7 +86,9 @@ _STATE_ROWS: list[_Row] = [
     *[(f"state.{key}", _S, "Writable before tsm.init(); init keeps a written value where the config does not set "
        "the key.", "") for key in ("tensor_parallel_degree", "tp_size", "hybrid_shard_degree")],
     *[(f"state.{key}", _P, "Reads 1 (writable before init). " + _ISSUE_35, "")
-      for key in ("context_parallel_degree", "cp_size", "expert_parallel_degree", "ep_size")],
+      for key in ("context_parallel_degree", "cp_size")],
+    *[(f"state.{key}", _S, "Writable before tsm.init(); ep_rank = dp_rank % ep.", "")
+      for key in ("expert_parallel_degree", "ep_size")],
     *[(f"state.{key}", _S, "", "") for key in (
         "tp_rank", "cp_rank", "ep_rank", "rank", "world_size", "dp_rank", "dp_size", "tp_process_group",
         "world_process_group", "rep_rank_process_group", "ranker.get_rep_rank", "ranker.get_rep_groups",
@@ -100,7 +105,8 @@ _CONFIG_NOTES: dict[str, tuple[Status, str, str]] = {
     "fsdp_cache_flush_warnings": (_P, "Accepted; no allocator-flush warning is printed.", ""),
     "allow_empty_shards": (_S, "FSDP2 shards uneven tensors (empty shards included) either way.", ""),
     "context_parallel_degree": (_U, _ISSUE_35, "Set it to 1."),
-    "expert_parallel_degree": (_U, _ISSUE_35, "Set it to 1."),
+    "expert_parallel_degree": (_P, "Mixtral through transform(config=MoEConfig(...)); must divide the FSDP "
+                               "shard group (hybrid_shard_degree >= 2), not with tensor parallelism.", ""),
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smp_compat.errors import SMPConfigError
@@ -58,7 +59,15 @@ def _local_piece(g: torch.Tensor, world: int) -> tuple[torch.Tensor, float]:
     for dim, pl in enumerate(g.placements):
         if isinstance(pl, Replicate) and mesh.get_local_rank(dim) != 0:
             return g.to_local(), 0.0
-    return g.to_local(), mesh.size() / world
+    return g.to_local(), mesh.size() / world * _expert_weight(mesh)
+
+
+def _expert_weight(mesh: DeviceMesh) -> float:
+    """Expert-parallel experts: each ep rank's mesh holds different experts, one of ``ep`` parts (moe/ep.py)."""
+    from smp_compat.v2.moe.ep import expert_weight
+    from smp_compat.v2.state import state
+
+    return expert_weight(mesh, state.expert_parallel_degree) if state.initialized else 1.0
 
 
 def _global_norm(pieces: list[tuple[torch.Tensor, float]], p: float, device: torch.device) -> torch.Tensor:

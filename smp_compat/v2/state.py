@@ -125,9 +125,9 @@ class State:
 
     @property
     def ep_rank(self) -> int:
-        """0: expert parallelism is refused until it is implemented (issue 35)."""
+        """Rank in the expert-parallel group: innermost among the data-parallel ranks (smp_compat/v2/moe/ep.py)."""
         self._require("ep_rank")
-        return 0
+        return self.dp_rank % self.layout.ep
 
     @property
     def dp_rank(self) -> int:

@@ -81,6 +81,7 @@ def build(ctx: Context, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Modu
         if kw.get("sync_module_states"):
             broadcast.sync_from_source(ctx, layout, own)
         done.update(id(m) for m in own)
+        _shard_experts(own, layout, options)
         fully_shard(unit, reshard_after_forward=layout.reshard_after_forward if unit is not module else False,
                     **options)  # fmt: skip
     if kw.get("forward_prefetch"):
@@ -88,6 +89,19 @@ def build(ctx: Context, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Modu
             first.set_modules_to_forward_prefetch([second])
     _attach(module, layout, mp, units)
     return module
+
+
+def _shard_experts(own: list[nn.Module], layout: FsdpLayout, options: dict[str, Any]) -> None:
+    """Expert parallelism: each MoE layer's experts get their own unit on the experts' mesh (moe/ep.py)."""
+    if layout.expert_mesh is None:
+        return
+    from smp_compat.v2.moe.moe_layer import LocalExperts
+
+    for m in own:
+        if isinstance(m, LocalExperts):
+            fully_shard(m, **{**options, "mesh": layout.expert_mesh},
+                        reshard_after_forward=layout.reshard_after_forward)  # fmt: skip
+            m.grad_scale = layout.expert_mesh.size() / layout.mesh.size()  # FSDP averages over fewer ranks
 
 
 def _keywords(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class Context:
     local_world_size: int
     mesh_for: Callable[[int], DeviceMesh]
     report_resolved: Callable[[int], None]
+    ep_size: int = 1  # expert_parallel_degree: FSDP runs per ep rank (smp_compat/v2/moe/ep.py)
 
 
 def current() -> Context | None:
@@ -51,4 +52,5 @@ def current() -> Context | None:
         local_world_size=state.local_world_size,
         mesh_for=state.mesh_for,
         report_resolved=report,
+        ep_size=state.expert_parallel_degree,
     )

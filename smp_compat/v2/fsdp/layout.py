@@ -39,11 +39,14 @@ class FsdpLayout:
     reshard_after_forward: bool
     process_group: dist.ProcessGroup
     shard_degree: int  # ranks sharing one copy of the parameters (1: replicated)
+    expert_mesh: DeviceMesh | None = None  # expert parallelism: the experts' ("rep", "shard") mesh
+    shard_group_size: int | None = None  # expert parallelism: the whole shard group (ep x process_group)
 
     @property
     def group_size(self) -> int:
-        """Size of ``process_group`` (the value ``tsm.state`` reports as the resolved shard-group size)."""
-        return dist.get_world_size(self.process_group)
+        """Size of ``process_group`` (the value ``tsm.state`` reports as the resolved shard-group size);
+        under expert parallelism the whole shard group's, of which ``process_group`` is one ep rank's part."""
+        return self.shard_group_size or dist.get_world_size(self.process_group)
 
 
 def resolve(ctx: Context, strategy: ShardingStrategy | None) -> FsdpLayout:
@@ -64,6 +67,8 @@ def resolve(ctx: Context, strategy: ShardingStrategy | None) -> FsdpLayout:
             f"FSDP shard group of {shard} ranks does not divide the {dp} data-parallel ranks "
             f"(hybrid_shard_degree={h}, sharding_strategy={strategy.name}, LOCAL_WORLD_SIZE={ctx.local_world_size})."
         )
+    if ctx.ep_size > 1:
+        return _ep_layout(ctx, strategy, dp // shard, shard)
     mesh = _fsdp_mesh(ctx, dp // shard, shard)
     group = mesh.get_group("rep") if shard == 1 else mesh.get_group("shard")
     return FsdpLayout(mesh, strategy, strategy not in _NO_RESHARD, group, shard)
@@ -83,3 +88,13 @@ def _fsdp_mesh(ctx: Context, rep: int, shard: int) -> DeviceMesh:
             "mesh; set hybrid_shard_degree to the shard degree you want instead of relying on sharding_strategy."
         )
     return ctx.mesh_for(shard)["rep", "shard"]
+
+
+def _ep_layout(ctx: Context, strategy: ShardingStrategy, rep: int, shard: int) -> FsdpLayout:
+    """Expert parallelism: shared weights on (rep x ep, shard / ep), experts on (rep, shard / ep) of this ep rank."""
+    from smp_compat.v2.moe.ep import fsdp_meshes
+
+    meshes = fsdp_meshes(ctx.mesh.device_type, ctx.mesh.size(), rep, shard, ctx.ep_size, ctx.tp_size, ctx.cp_size)
+    group = meshes.shared.get_group("shard")
+    return FsdpLayout(meshes.shared, strategy, strategy not in _NO_RESHARD, group, shard // ctx.ep_size,
+                      meshes.experts, shard)  # fmt: skip

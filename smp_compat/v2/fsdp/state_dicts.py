@@ -40,6 +40,7 @@ from torch.distributed.fsdp.api import FullOptimStateDictConfig, OptimStateDictC
 from torch.distributed.tensor import DTensor
 
 from smp_compat.v2.fsdp.build import FacadeState, facade_state
+from smp_compat.v2.moe.ep import own_experts, whole_experts
 
 __all__ = ["install_hooks", "roots_in", "use_type", "optim_state_dict", "optim_state_dict_to_load"]
 
@@ -98,6 +99,8 @@ def _after_state_dict(module: nn.Module, sd: dict[str, Any], prefix: str, _meta:
         for k in keys:
             value = sd[k]
             full = value.full_tensor() if isinstance(value, DTensor) else value
+            if isinstance(value, DTensor):  # expert parallelism: every ep rank's experts (moe/ep.py)
+                full = whole_experts(full, value.device_mesh)
             if not keep:
                 del sd[k]
                 continue
@@ -130,7 +133,7 @@ def _before_load(module: nn.Module, sd: dict[str, Any], prefix: str, *_: Any) ->
             continue
         value = value.to(device=target.device, dtype=target.dtype)
         if _is_full(s):
-            sd[k] = _piece_of(value, target)
+            sd[k] = _piece_of(own_experts(value, target.device_mesh), target)
         else:
             sd[k] = DTensor.from_local(value, target.device_mesh, target.placements, shape=target.shape,
                                        stride=target.stride())  # fmt: skip

@@ -1,4 +1,4 @@
-"""``torch.sagemaker.moe``: importable; mixture-of-experts models under ``transform`` come with issue 35."""
+"""``torch.sagemaker.moe``: SMP v2's mixture-of-experts layer and expert parallelism for Mixtral (ep.py: the layout)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """``torch.sagemaker.moe.moe_config.MoEConfig``: SMP's mixture-of-experts options, with SMP's defaults.
 
-Building one works (AWS's scripts build it before calling ``transform``); ``transform(config=MoEConfig(...))``
-raises SMPUnsupportedError until expert parallelism lands (issue 35).
+AWS's scripts build one and pass it as ``transform(model, config=...)`` to run Mixtral with SMP's MoE layer and
+expert parallelism (smp_compat/v2/moe/convert.py). ``global_token_shuffle`` and ``moe_all_to_all_dispatcher``
+are accepted; tokens always travel by all-to-all over the ep group. ``random_seed`` and
+``use_cpu_initialization`` change nothing here (the experts are sliced from the model as built).
 """
 
 from __future__ import annotations

@@ -44,11 +44,10 @@ def transform(
         raise SMPConfigError(
             f"torch.sagemaker.transform: cp_comm_type must be one of {CP_COMM_TYPES}; got {cp_comm_type!r}"
         )
-    if config is not None:
-        raise SMPUnsupportedError(
-            f"torch.sagemaker.transform(config={type(config).__name__}(...)): mixture-of-experts models (MoEConfig, "
-            "expert parallelism) are not supported yet (issue 35). Run the model without use_smp_implementation/moe."
-        )
+    if config is not None:  # Mixtral with SMP's MoE layer and expert parallelism (smp_compat/v2/moe)
+        from smp_compat.v2.moe.convert import transform_moe
+
+        return transform_moe(model, config, device, dtype, load_state_dict_from_rank0, _move)
     tp, mesh = _tp_from_state()
     return tensor_parallelize(model, mesh if tp > 1 else None, device, dtype, load_state_dict_from_rank0)
 
@@ -97,7 +96,7 @@ def _tp_from_state() -> tuple[int, DeviceMesh | None]:
         if getattr(state, key) > 1:
             raise SMPUnsupportedError(
                 f"torch.sagemaker.transform: {feature} ({key}={getattr(state, key)}) is not supported yet "
-                f"(issue 35); set {key} to 1."
+                f"(issue 35){' without config=MoEConfig(...) (Mixtral)' if key[0] == 'e' else ''}; set {key} to 1."
             )
     tp = state.tensor_parallel_degree
     return tp, (state.device_mesh["tp"] if tp > 1 else None)

@@ -1,0 +1,97 @@
+"""``transform(model, config=MoEConfig(...))`` for Mixtral: each decoder layer's sparse-MoE block becomes a
+:class:`MoELayer` holding this rank's share of the experts, Hugging Face names kept.
+
+Hugging Face transformers 5 stores a layer's experts stacked (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]) next to the router ``mlp.gate.weight`` [E, H]; the ep rank keeps rows
+``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of both stacks (meta stays meta). transformers 4.x's per-expert
+``block_sparse_moe.experts.{i}.w1/w2/w3`` layout is refused by name.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.v2.moe.ep import ep_group
+from smp_compat.v2.moe.moe_config import MoEConfig
+from smp_compat.v2.moe.moe_layer import LocalExperts, MoELayer
+
+__all__ = ["moe_transform"]
+
+
+def moe_transform(model: nn.Module, config: MoEConfig, world: int, rank: int, dp_rank: int, ep: int) -> list[nn.Module]:
+    """Swap every Mixtral MoE block of ``model`` for a MoELayer; returns the decoder layers."""
+    if not isinstance(config, MoEConfig):
+        raise SMPConfigError(f"torch.sagemaker.transform(config=...) takes a MoEConfig; got {type(config).__name__}.")
+    hf = getattr(model, "config", None)
+    if getattr(hf, "model_type", None) != "mixtral":
+        raise SMPUnsupportedError(
+            "torch.sagemaker.transform(config=MoEConfig(...)): SMP v2's mixture-of-experts support covers Hugging "
+            f"Face Mixtral; got {getattr(hf, 'model_type', type(model).__name__)!r}."
+        )
+    if not config.smp_moe:
+        raise SMPUnsupportedError("MoEConfig(smp_moe=False): only SMP's MoE implementation is provided.")
+    experts = hf.num_local_experts
+    if experts % ep:
+        raise SMPConfigError(
+            f"expert_parallel_degree ({ep}) must divide the experts per layer (num_local_experts={experts})."
+        )
+    layers = getattr(getattr(model, "model", model), "layers")
+    group = ep_group(world, rank, ep) if ep > 1 else None
+    for layer in layers:
+        layer.mlp = _convert_block(_hf_block(layer), hf, config, group, dp_rank % ep, ep)
+    return list(layers)
+
+
+def _hf_block(layer: nn.Module) -> nn.Module:
+    block = getattr(layer, "mlp", None)
+    stacked = getattr(getattr(block, "experts", None), "gate_up_proj", None)
+    if block is None or stacked is None:
+        raise SMPUnsupportedError(
+            "torch.sagemaker.transform(config=MoEConfig(...)) needs the Mixtral layout of Hugging Face "
+            "transformers >= 5 (stacked mlp.experts.gate_up_proj / down_proj); this model has "
+            f"{type(getattr(layer, 'block_sparse_moe', block)).__name__}. Upgrade transformers for MoE."
+        )
+    return block
+
+
+def _convert_block(block: nn.Module, hf: object, config: MoEConfig, group: object, ep_rank: int, ep: int) -> MoELayer:
+    total = block.experts.gate_up_proj.shape[0]
+    per = total // ep
+    lo, hi = ep_rank * per, (ep_rank + 1) * per
+    local = LocalExperts(
+        block.experts.gate_up_proj.detach()[lo:hi].clone(),
+        block.experts.down_proj.detach()[lo:hi].clone(),
+        block.experts.act_fn,
+        first=lo,
+        init_std=getattr(hf, "initializer_range", 0.02),
+    )
+    return MoELayer(block.gate, local, hf.num_experts_per_tok, total, config, group, ep,  # type: ignore[attr-defined]
+                    getattr(hf, "router_jitter_noise", 0.0) or 0.0)  # fmt: skip
+
+
+def transform_moe(model: nn.Module, config: object, device: object, dtype: object, from_rank0: bool,
+                  move: object) -> nn.Module:  # fmt: skip
+    """``transform``'s MoE path: checks against ``tsm.state``, then :func:`moe_transform`, layers marked."""
+    from smp_compat.errors import SMPNotInitializedError
+    from smp_compat.v2.state import state
+    from smp_compat.v2.tensor_parallel.transformer import mark_transformer_layer
+
+    if not state.initialized:
+        raise SMPNotInitializedError("torch.sagemaker.transform needs torch.sagemaker.init() first.")
+    ep = state.expert_parallel_degree
+    if state.tensor_parallel_degree > 1 or state.context_parallel_degree > 1:
+        raise SMPUnsupportedError(
+            "torch.sagemaker.transform(config=MoEConfig(...)) with tensor_parallel_degree > 1 or "
+            "context_parallel_degree > 1: smp_compat runs Mixtral with expert and data parallelism only."
+        )
+    if from_rank0 and ep > 1:
+        raise SMPUnsupportedError(
+            "transform(config=MoEConfig(...), load_state_dict_from_rank0=True) with expert_parallel_degree > 1: "
+            "rank 0 holds only its own experts after the split; load the checkpoint on every rank instead."
+        )
+    move(model, device, dtype)  # type: ignore[operator]
+    layers = moe_transform(model, config, state.world_size, state.rank, state.dp_rank, ep)  # type: ignore[arg-type]
+    for layer in layers:
+        mark_transformer_layer(layer)
+    return model

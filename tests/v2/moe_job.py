@@ -1,0 +1,107 @@
+"""A tiny Hugging Face Mixtral through tsm.transform(config=MoEConfig(...)) and the scripts' FSDP call, and
+its one-process reference: stock Mixtral on every data-parallel rank's batch, routed the same way
+(``routing.route``), with the router losses added to the loss the reference backpropagates."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import fsdp_job
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp_compat.v2.moe import routing
+from smp_compat.v2.moe.moe_config import MoEConfig
+
+EXPERTS, TOP_K = 4, 2
+
+
+def tiny_mixtral(seed: int = 0) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=fsdp_job.VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
+                        num_experts_per_tok=TOP_K, tie_word_embeddings=False, use_cache=False,
+                        attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(cfg)
+
+
+def _routed_as(router: nn.Module, mode: str) -> None:
+    """Make a stock MixtralTopKRouter select with ``mode`` (its logits and output format unchanged)."""
+
+    def forward(self: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        weights, indices = routing.route(logits, self.top_k, mode, self.training)
+        return logits, weights, indices
+
+    router.forward = types.MethodType(forward, router)
+
+
+def reference_loss(model: nn.Module, ids: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backpropagate: LM loss + every layer's router losses, the LM loss alone)."""
+    out = model(input_ids=ids, attention_mask=None, labels=ids, output_router_logits=True)
+    lm = out["loss"] - model.router_aux_loss_coef * out["aux_loss"]  # stock Mixtral's own aux term removed
+    extra = torch.zeros(())
+    for logits in out["router_logits"]:
+        indices = routing.route(logits, TOP_K, cfg.moe_load_balancing, model.training)[1]
+        if cfg.moe_load_balancing == "aux_loss":
+            extra = extra + routing.aux_loss(logits, indices, cfg.moe_aux_loss_coeff)
+        extra = extra + routing.z_loss(logits, cfg.moe_z_loss_coeff)
+    return lm + extra, lm
+
+
+def reference_training(dp: int, cfg: MoEConfig, steps: int = fsdp_job.STEPS) -> tuple[list[float], dict]:
+    model = tiny_mixtral()
+    for layer in model.model.layers:
+        _routed_as(layer.mlp.gate, cfg.moe_load_balancing)
+    opt = fsdp_job.adamw(model)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        pairs = [reference_loss(model, fsdp_job.batch(step, r), cfg) for r in range(dp)]
+        (sum(p[0] for p in pairs) / dp).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp_job.CLIP)
+        opt.step()
+        losses.append((sum(p[1] for p in pairs) / dp).item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def init_ep(ep: int, hybrid_shard_degree: int) -> None:
+    import smp_compat.v2  # noqa: F401 - the torch.sagemaker finder
+    import torch.sagemaker as tsm
+    from smp_compat.v2.state import reset
+
+    reset()
+    tsm.init({"hybrid_shard_degree": hybrid_shard_degree, "expert_parallel_degree": ep})
+
+
+def scripted_ep_training(cfg: MoEConfig, steps: int = fsdp_job.STEPS) -> tuple[nn.Module, Any, list[float]]:
+    """train_lib.py's path: transform(config=MoEConfig), FSDP with TransformerLayer, checkpointing, AdamW."""
+    import torch.sagemaker as tsm
+    from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
+
+    model = tsm.transform(tiny_mixtral(), config=cfg)
+    model = fsdp_job.wrap_as_scripts(model, strategy="hybrid_shard", layer=TransformerLayer)
+    opt = fsdp_job.adamw(model)
+    losses = fsdp_job.train_steps(model, opt, dist.get_rank(), range(steps))
+    return model, opt, losses
+
+
+def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered over its FSDP mesh, Hugging Face names; experts: this ep rank's rows only."""
+    out = {}
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def expert_rows(name: str, ep: int, ep_rank: int, tensor: torch.Tensor) -> torch.Tensor:
+    """The reference's rows of ``name`` that ep rank ``ep_rank`` holds."""
+    if ".experts." not in name:
+        return tensor
+    per = tensor.shape[0] // ep
+    return tensor[ep_rank * per : (ep_rank + 1) * per]
