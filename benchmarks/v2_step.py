@@ -112,6 +112,9 @@ def build_plain(ns: argparse.Namespace, tsm: Any) -> tuple[nn.Module, Callable[[
     plan["mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
     for layer in model.model.layers:
         parallelize_module(layer, mesh["tp"], plan)
+        for name in ("num_heads", "num_key_value_heads", "hidden_size"):  # transformers 4.x reads them in forward
+            if name in layer.self_attn.__dict__:
+                setattr(layer.self_attn, name, getattr(layer.self_attn, name) // ns.tp)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["rep", "shard"])
     fully_shard(model, mesh=mesh["rep", "shard"])

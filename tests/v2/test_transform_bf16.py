@@ -38,6 +38,9 @@ def _by_hand(mesh: Any) -> torch.nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     for layer in model.model.layers:
         parallelize_module(layer, mesh["tp"], plan)
+        for name in ("num_heads", "num_key_value_heads", "hidden_size"):  # transformers 4.x reads them in forward
+            if name in layer.self_attn.__dict__:
+                setattr(layer.self_attn, name, getattr(layer.self_attn, name) // mesh["tp"].size())
         fully_shard(layer, mesh=mesh["rep", "shard"], mp_policy=policy)
     return fully_shard(model, mesh=mesh["rep", "shard"], mp_policy=policy, reshard_after_forward=False)
 

@@ -30,7 +30,9 @@ def _train_tp2(family: str) -> dict:
 
     from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
-    model = _init_tp2().transform(th.build(family))
+    tsm = _init_tp2()
+    model = tsm.transform(th.build(family))
+    assert tsm.transform(model) is model  # a second call changes nothing
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     losses = th.train(model, th.batches())

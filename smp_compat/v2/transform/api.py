@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError, SMPUnsupportedError
 from smp_compat.v2.state import state
-from smp_compat.v2.tensor_parallel.transformer import mark_transformer_layer
+from smp_compat.v2.tensor_parallel.transformer import is_marked, mark_transformer_layer
 from smp_compat.v2.transform.family import find_family
 from smp_compat.v2.transform.sharding import check_divisible, split_layers, split_parameter_names
 from smp_compat.v2.transform.sync import agree_within_tp_group
@@ -62,6 +62,8 @@ def tensor_parallelize(
     """``transform``'s work on a given 1-D tp mesh (None: tp = 1, layers marked only)."""
     family = find_family(model)
     layers = family.layers(model)
+    if all(is_marked(layer) for layer in layers):
+        return model  # transformed already: splitting again would split the pieces
     counts = check_divisible(family, model.config, mesh.size() if mesh is not None else 1)
     _move(model, device, dtype)
     if mesh is not None:
