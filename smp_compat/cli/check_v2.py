@@ -73,8 +73,8 @@ def record_v2_key(report: FileReport, key: str, line: int, value: Any, known: bo
         report.add("config", key, line, ERROR, f"tsm.init rejects this value: {problem}.", "", shown)
         return
     status = entry.status
-    if entry.status is Status.UNSUPPORTED and known and value == SMPv2Config.model_fields[key].default:
-        status = Status.SUPPORTED  # the default value of a refused feature is fine
+    if entry.status in (Status.UNSUPPORTED, Status.PARTIAL) and known and value == SMPv2Config.model_fields[key].default:
+        status = Status.SUPPORTED  # the default value of a refused or partly supported feature is fine
     report.add("config", key, line, status, entry.note, entry.action if status is not Status.SUPPORTED else "", shown)
 
 
