@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from smp_compat.heap import TUNE_MALLOC_ENV
+from smp_compat.host.heap import TUNE_MALLOC_ENV
 from smp_compat.testing import run_ranks
 
 __all__ = ["main", "measure"]

@@ -38,7 +38,7 @@ from pp_workload import (  # noqa: E402
     preload,
 )
 from smp_compat import timeline  # noqa: E402
-from smp_compat.heap import TUNE_MALLOC_ENV  # noqa: E402
+from smp_compat.host.heap import TUNE_MALLOC_ENV  # noqa: E402
 from smp_compat.testing import run_ranks  # noqa: E402
 
 __all__ = ["Result", "main", "parse_args", "run"]

@@ -11,7 +11,7 @@ import warnings as _warnings
 # torch without numpy warns at import in every process; nothing here needs numpy. Only that message.
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from smp_compat.torch_floor import check_torch as _check_torch
+from smp_compat.host.torch_floor import check_torch as _check_torch
 
 _check_torch()  # an older torch: one error naming what it lacks, not an ImportError deep inside
 

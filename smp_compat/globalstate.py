@@ -21,7 +21,7 @@ import torch.distributed as dist
 from smp_compat import failure
 from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError
-from smp_compat.heap import TRIM_BYTES, TUNE_MALLOC_ENV, keep_freed_memory
+from smp_compat.host.heap import TRIM_BYTES, TUNE_MALLOC_ENV, keep_freed_memory
 from smp_compat.launch import LaunchEnv, detect_launch
 from smp_compat.topology import Topology
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from smp_compat.cli.check_config import ConfigValue, record_config_key, record_config_rules, record_mpi_key
+from smp_compat.cli.check_v2 import record_v2_key, record_v2_rules
 from smp_compat.cli.findings import API_KINDS, ERROR, RANK, FileReport, Finding
 from smp_compat.cli.scan import check_source
 from smp_compat.cli.support import Status
@@ -68,7 +69,16 @@ def check_json(path: Path, display: str | None = None) -> FileReport:
     else:
         params = section
     start = lines.get("parameters", [1])[0] if params is not data else 1
-    if isinstance(params, dict):
+    if isinstance(params, dict) and _is_v2(data, params):
+        v2_values = []
+        for key, value in params.items():
+            if params is data and key == "torch_distributed":
+                continue
+            line = _line_after(lines, key, start)
+            record_v2_key(report, key, line, value, True, json.dumps(value))
+            v2_values.append((key, line, value, True))
+        record_v2_rules(report, v2_values)
+    elif isinstance(params, dict):
         values: list[ConfigValue] = []
         for key, value in params.items():
             if params is data and key in ("mpi", "smdistributed"):
@@ -83,6 +93,13 @@ def check_json(path: Path, display: str | None = None) -> FileReport:
         for key, value in mpi.items():
             record_mpi_key(report, key, _line_after(lines, key, mpi_start), json.dumps(value))
     return report
+
+
+def _is_v2(data: dict, params: dict) -> bool:
+    """SMP v2's config: a distribution with ``torch_distributed`` (the SDK's rule), or a v2-only key."""
+    from smp_compat.cli.launch_config import _V2_ONLY_KEYS
+
+    return "torch_distributed" in data or bool(_V2_ONLY_KEYS & set(params))
 
 
 def check_file(path: Path, display: str | None = None) -> FileReport:

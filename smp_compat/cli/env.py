@@ -7,7 +7,9 @@ import os
 import shlex
 
 from smp_compat.cli.job_options import add_job_options, build_job
-from smp_compat.cli.run import launch_environment, note, num_gpus, read_launch_config, resolve_launch
+from smp_compat.cli.launch_config import launch_environment, read_launch_config, resolve_smp
+from smp_compat.cli.run import note
+from smp_compat.cli.run_job import num_gpus
 from smp_compat.cli.sm_env import node_position, prepare_job_dirs, training_environment
 
 __all__ = ["env_command"]
@@ -29,7 +31,7 @@ def env_command(argv: list[str]) -> int:
     add_job_options(parser)
     ns = parser.parse_args(argv)
     launch = read_launch_config(ns.config, os.environ)
-    env = launch_environment(launch, resolve_launch(launch), os.environ)
+    env = launch_environment(resolve_smp(launch), os.environ)
     nnodes, node_rank = node_position(os.environ, None, None)
     job = build_job(ns, os.environ, nnodes=nnodes, node_rank=node_rank, num_gpus=num_gpus(), entry_point=None)
     env.update(training_environment(job, os.environ))

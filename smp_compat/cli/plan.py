@@ -25,7 +25,8 @@ from rich.table import Table
 from torch import nn
 
 from smp_compat import shim
-from smp_compat.config import SMPConfig, extract_mp_parameters, resolve_config
+from smp_compat.cli.launch_config import read_launch_config
+from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import state
 from smp_compat.partitioning import PartitionPlan, auto_plan, clear_records, manual_plan, trace_modules, validate_plan
@@ -287,25 +288,6 @@ def plan_model(
 # ---------------------------------------------------------------- command
 
 
-def _read_config(value: str | None) -> dict[str, Any]:
-    """--config: inline JSON or a JSON file; a distribution dict, its modelparallel part, or bare parameters."""
-    if value is None:
-        return {}
-    text = value
-    if not value.lstrip().startswith("{"):
-        path = Path(value)
-        if not path.is_file():
-            raise SMPConfigError(f"--config {value!r} is neither a JSON object nor an existing file.")
-        text = path.read_text(encoding="utf-8")
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SMPConfigError(f"--config is not valid JSON ({exc.msg} at line {exc.lineno}).") from None
-    if isinstance(raw, dict):
-        raw = {k: v for k, v in raw.items() if k != "mpi"}
-    return extract_mp_parameters(raw)
-
-
 def _rank_table(result: PlanResult) -> Table:
     total = sum(r.cost for r in result.ranks) or 1.0
     table = Table(title="Per pipeline rank")
@@ -349,8 +331,8 @@ def plan_command(argv: Sequence[str]) -> int:
     kwargs = json.loads(args.kwargs) if args.kwargs else {}
     if not isinstance(kwargs, dict):
         raise SMPConfigError(f"--kwargs must be a JSON object, got {args.kwargs!r}.")
-    result = plan_model(load_factory(args.factory), parse_inputs(args.input), _read_config(args.config), kwargs,
-                        args.measure_time)  # fmt: skip
+    config = read_launch_config(args.config, environ={}).parameters  # as `smp-compat run --config` reads it
+    result = plan_model(load_factory(args.factory), parse_inputs(args.input), config, kwargs, args.measure_time)
     if args.json:
         print(_as_json(result))
         return 0

@@ -21,12 +21,16 @@ from typing import Any
 from smp_compat.cli.check_config import ConfigValue, config_read, record_config_key, record_config_rules, record_mpi_key
 from smp_compat.cli.check_cuda import unguarded_cuda_calls
 from smp_compat.cli.check_members import report_members
+from smp_compat.cli.check_v2 import classify_api_v2, record_v2_key, record_v2_rules
 from smp_compat.cli.findings import ERROR, FileReport
 from smp_compat.cli.support import Status, lookup_api
 
 __all__ = ["check_source"]
 
 PKG = "smdistributed.modelparallel.torch"
+PKG_V2 = "torch.sagemaker"
+_V2_PARTS = PKG_V2.split(".")
+_OWN_V2 = "smp_compat.v2"
 _PKG_PARTS = PKG.split(".")
 _PARENT_PARTS = _PKG_PARTS[:2]
 _OWN_PACKAGE = "smp_compat"
@@ -37,8 +41,11 @@ _MAX_VALUE = 40
 
 
 def _classify_api(report: FileReport, parts: list[str], line: int) -> None:
-    """Record the SMP name that a full dotted path (``smdistributed.modelparallel.torch.nn.X``) refers to."""
-    if parts[: len(_PKG_PARTS)] == _PKG_PARTS:
+    """Record the SMP name that a full dotted path (``smdistributed.modelparallel.torch.nn.X``, or SMP v2's
+    ``torch.sagemaker.X``) refers to."""
+    if parts[:2] == _V2_PARTS:
+        classify_api_v2(report, parts[2:], line)
+    elif parts[: len(_PKG_PARTS)] == _PKG_PARTS:
         rel = parts[len(_PKG_PARTS) :]
         if not rel:
             return
@@ -95,6 +102,10 @@ def _chain(node: ast.AST) -> list[str] | None:
 
 def _smp_path(module: str) -> str | None:
     """An imported module path in SMP spelling (smp_compat counts as SMP); None when it is not SMP's."""
+    if module == PKG_V2 or module.startswith(PKG_V2 + "."):
+        return module
+    if module == _OWN_V2 or module.startswith(_OWN_V2 + "."):
+        return PKG_V2 + module[len(_OWN_V2) :]
     if module == _OWN_PACKAGE or module.startswith(_OWN_PACKAGE + "."):
         return PKG + module[len(_OWN_PACKAGE) :]
     if module == "smdistributed" or module.startswith("smdistributed."):
@@ -219,9 +230,18 @@ class _Source:
         return self.aliases[parts[0]].split(".") + parts[1:]
 
     def _maybe_init(self, node: ast.Call) -> None:
-        if self._resolve(node.func) != [*_PKG_PARTS, "init"]:
+        resolved = self._resolve(node.func)
+        v2 = resolved == [*_V2_PARTS, "init"]
+        if resolved != [*_PKG_PARTS, "init"] and not v2:
             return
         config = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "config"), None)
+        if config is None and v2:
+            self.report.hints.append(
+                f"line {node.lineno}: tsm.init() without an argument takes its config from the launcher "
+                "(SM_HP_MP_PARAMETERS): check your estimator's distribution too, e.g. "
+                "`smp-compat check train.py distribution.json`."
+            )
+            return
         if config is None:
             self.report.hints.append(
                 f"line {node.lineno}: smp.init() without a dict takes its config from the launcher "
@@ -233,7 +253,7 @@ class _Source:
         if path is not None:
             self._config_file(path, node.lineno)
             return
-        self._parameters(config, node.lineno, allow_distribution=True)
+        self._parameters(config, node.lineno, allow_distribution=True, v2=v2)
 
     def _config_file(self, path: str, line: int) -> None:
         """``smp.init("config.json")``: the file is checked too when it sits where the path points."""
@@ -276,12 +296,15 @@ class _Source:
                 else:
                     yield key, value, line
 
-    def _parameters(self, node: ast.AST, line: int, allow_distribution: bool = False) -> None:
+    def _parameters(self, node: ast.AST, line: int, allow_distribution: bool = False, v2: bool = False) -> None:
         """Report the keys of an SMP parameters dict (or of a distribution dict, when smp.init gets one)."""
         items = list(self._items(node))
         keys = {key for key, _, _ in items}
         if allow_distribution and keys & {"smdistributed", "modelparallel"}:
-            self._distribution_items(items)
+            self._distribution_items(items, v2 or "torch_distributed" in keys)
+            return
+        if v2:
+            self._v2_parameters(node, items)
             return
         values = []
         for key, value, key_line in items:
@@ -291,6 +314,16 @@ class _Source:
                 values.append(ConfigValue(key, key_line, literal, known))
         if _whole_literal(node):  # a dict built up elsewhere may be changed before smp.init: no rules judged
             record_config_rules(self.report, values)
+
+    def _v2_parameters(self, node: ast.AST, items: list[tuple[str | None, ast.AST, int]]) -> None:
+        values = []
+        for key, value, key_line in items:
+            if key is not None:
+                literal, known = _literal(value)
+                record_v2_key(self.report, key, key_line, literal, known, self._shown(value, literal, known))
+                values.append((key, key_line, literal, known))
+        if _whole_literal(node):
+            record_v2_rules(self.report, values)
 
     def _shown(self, node: ast.AST, literal: Any, known: bool) -> str:
         text = repr(literal) if known else (ast.get_source_segment(self.text, node) or "<expression>")
@@ -303,16 +336,17 @@ class _Source:
             return
         keys = {_const_str(k) for k in node.keys if k is not None}
         if "smdistributed" in keys or "modelparallel" in keys or {"enabled", "parameters"} <= keys:
-            self._distribution_items(list(self._items(node)))
+            self._distribution_items(list(self._items(node)), "torch_distributed" in keys)
 
-    def _distribution_items(self, items: list[tuple[str | None, ast.AST, int]]) -> None:
+    def _distribution_items(self, items: list[tuple[str | None, ast.AST, int]], v2: bool = False) -> None:
+        """A distribution dict's sections; ``v2``: it has ``torch_distributed`` (SageMaker's SMP v2 launch)."""
         for key, value, line in items:
             if key == "smdistributed":
-                self._distribution_items(list(self._items(value)))
+                self._distribution_items(list(self._items(value)), v2)
             elif key == "modelparallel":
-                self._distribution_items(list(self._items(value)))
+                self._distribution_items(list(self._items(value)), v2)
             elif key == "parameters":
-                self._parameters(value, line)
+                self._parameters(value, line, v2=v2)
             elif key == "mpi":
                 for mpi_key, mpi_value, mpi_line in self._items(value):
                     if mpi_key is not None:

@@ -68,4 +68,30 @@ def markdown() -> str:
         lines += ["", f"## Config keys: {section.lower()}", ""]
         lines += _table(entries, "Key", "", defaults)
     lines += ["", "Defaults where SMP's docs and code disagree, and every key in detail: [config.md](config.md).", ""]
+    lines += _v2_part()
     return "\n".join(lines)
+
+
+def _v2_part() -> list[str]:
+    """The SMP v2 part: ``torch.sagemaker``'s names, ``tsm.state`` and the nine keys (registry: support_v2.py)."""
+    from smp_compat.cli.support_v2 import API_V2, API_V2_SECTIONS, CONFIG_V2
+    from smp_compat.v2.config import SMPv2Config
+
+    names = [e for e in API_V2.values() if e.kind != "module"]
+    lines = [
+        "# SMP v2 API support",
+        "",
+        "What smp_compat implements of SMP v2, `torch.sagemaker` (imported as `tsm`; porting: "
+        "[porting_v2.md](porting_v2.md)), from the registry `smp_compat/cli/support_v2.py` that `smp-compat check`",
+        "reads for v2 scripts. Every module path below `torch.sagemaker` that AWS's scripts import resolves.",
+        "",
+        f"API and `tsm.state`: {_counts(names)}. Config keys: {_counts(CONFIG_V2.values())}.",
+    ]
+    for section in API_V2_SECTIONS:
+        lines += ["", f"## SMP v2: {section}", ""]
+        lines += _table((e for e in names if e.section == section), "API", "tsm.")
+    defaults = {key: f"`{field.default!r}`" for key, field in SMPv2Config.model_fields.items()}
+    lines += ["", "## SMP v2: config keys", ""]
+    lines += _table(CONFIG_V2.values(), "Key", "", defaults)
+    lines += ["", "Every v2 key in detail, and the rules between them: [config.md](config.md#smp-v2-keys).", ""]
+    return lines

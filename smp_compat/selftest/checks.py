@@ -21,13 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp_compat.config import resolve_config
+from smp_compat.config import SMP_KEYS, resolve_config
 from smp_compat.selftest.environment import Environment
 from smp_compat.selftest.faults import Fault, Injector
 from smp_compat.selftest.models import Recipe, adam, gpt2_recipe, lm_recipe, mlp_recipe
 from smp_compat.selftest.training import Measured, Tolerance, Tracker, compared_params, reference_run, smp_run
+from smp_compat.v2.config import V2_KEYS
 
 __all__ = ["CHECKS", "Check", "Context", "Result", "Skipped", "check_names", "select"]
+
+V2_ONLY_KEYS = frozenset(V2_KEYS - SMP_KEYS)
+"""Keys only SMP v2 has: a --config with one of them is checked as SMP v2's."""
 
 FP32_CPU = Tolerance(1e-5, 1e-6)
 FP32_GPU = Tolerance(1e-4, 1e-5)  # GPU kernels sum in other orders (and differ between batch shapes)
@@ -224,7 +228,7 @@ def activation_checkpointing(ctx: Context, inj: Injector) -> Result:
     return train_and_compare(ctx, inj, _pp2(ctx), mlp_recipe(depth=4), ctx.fp32, prepare=prepare)
 
 
-def _shared_folder(ctx: Context) -> str:
+def shared_folder(ctx: Context) -> str:
     """A fresh folder under the checkpoint root, made by rank 0, that every rank must see (a collective)."""
     made = [tempfile.mkdtemp(prefix="smp-selftest-", dir=ctx.checkpoint_root) if ctx.rank == 0 else None]
     if dist.is_initialized():
@@ -246,7 +250,7 @@ def checkpoint_resume(ctx: Context, inj: Injector) -> Result:
     """Two steps, ``smp.save_checkpoint``, a fresh smp and a differently seeded model, ``smp.resume_from_checkpoint``,
     a third step: the same as three steps straight."""
     smp, recipe, config = ctx.smp, mlp_recipe(optimizer=adam), _pp2(ctx)
-    folder = _shared_folder(ctx)
+    folder = shared_folder(ctx)
     batch = _global_batch(config, ctx.env.world_size)
     tracker = Tracker(reference_run(recipe, batch, ctx.device), ctx.fp32)
     smp.init(config)
@@ -279,12 +283,25 @@ def _seeded(recipe: Recipe, seed: int) -> torch.nn.Module:
 def user_config(ctx: Context, inj: Injector) -> Result:
     """The config given with --config (or SM_HP_MP_PARAMETERS), on a built-in model it can partition and split."""
     params = dict(ctx.user_config or {})
+    if set(params) & V2_ONLY_KEYS:  # an SMP v2 config: its own check on the v2 model
+        return _v2_check("user_config")(ctx, inj)
     cfg = resolve_config(params, environ={})
     pp, tp = cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree
     recipe = lm_recipe(layers=max(2, pp)) if tp > 1 else mlp_recipe(depth=max(3, 2 * pp))
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
     tol = FP16 if cfg.fp16 else BF16 if cfg.bf16 else ctx.fp32
     return train_and_compare(ctx, inj, params, recipe, tol, dtype=dtype, tp_swap=tp > 1)
+
+
+def _v2_check(name: str) -> Callable[[Context, Injector], Result]:
+    """An SMP v2 check (``v2_checks.py``, which builds on this module), imported when it runs."""
+
+    def check(ctx: Context, inj: Injector) -> Result:
+        from smp_compat.selftest import v2_checks
+
+        return getattr(v2_checks, name)(ctx, inj)
+
+    return check
 
 
 CHECKS: tuple[Check, ...] = (
@@ -301,6 +318,11 @@ CHECKS: tuple[Check, ...] = (
     Check("activation-checkpointing", "smp.set_activation_checkpointing on a pipeline stage's module",
           activation_checkpointing),
     Check("checkpoint-resume", "smp.save_checkpoint, then smp.resume_from_checkpoint", checkpoint_resume),
+    Check("v2-hsd2", "SMP v2: the scripts' FSDP call at hybrid_shard_degree 2 (Hugging Face Llama)",
+          _v2_check("hybrid_shard")),
+    Check("v2-tp2-hsd2", "SMP v2: tsm.transform tp 2 x hybrid_shard_degree 2", _v2_check("tp_hybrid_shard")),
+    Check("v2-sharded-resume", "SMP v2: sharded (DCP) save, fresh tsm.init, load, one more step",
+          _v2_check("sharded_resume")),
 )  # fmt: skip
 """Every built-in check, in the order they run."""
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Recipe", "lm_recipe", "mlp_recipe", "gpt2_recipe"]
+__all__ = ["Recipe", "gpt2_recipe", "llama_recipe", "lm_recipe", "mlp_recipe"]
 
 WIDTH, HIDDEN = 4, 8
 VOCAB, LM_HIDDEN, HEADS, SEQ = 32, 16, 4, 6
@@ -142,3 +142,20 @@ def _hf_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def gpt2_recipe() -> Recipe:
     """A two-layer Hugging Face GPT-2, swapped for smp.nn's DistributedTransformer under tensor parallelism."""
     return Recipe(_gpt2, _token_batches, _hf_loss, _momentum)
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=LM_HIDDEN, intermediate_size=2 * LM_HIDDEN,
+                                      num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                                      max_position_embeddings=SEQ, tie_word_embeddings=False, use_cache=False,
+                                      attn_implementation="sdpa")  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_recipe() -> Recipe:
+    """A two-layer Hugging Face Llama (grouped-query attention): the SMP v2 checks' model, which tsm.transform
+    splits over the tp group and the FSDP façade shards."""
+    return Recipe(_llama, _token_batches, _hf_loss, _momentum)

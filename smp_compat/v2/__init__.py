@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 from smp_compat.v2.finder import install_finder
+from smp_compat.v2.standins.backend import install_backend_mapping
 from smp_compat.v2.startup import init, is_initialized
 from smp_compat.v2.state import state
 
@@ -54,3 +55,4 @@ _state = state
 del state  # served by _Package.state from here on
 sys.modules[__name__].__class__ = _Package
 install_finder()
+install_backend_mapping()  # before the script's dist.init_process_group("smddp" | "nccl"), which precedes tsm.init

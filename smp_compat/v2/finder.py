@@ -1,13 +1,15 @@
-"""The import hook that makes ``torch.sagemaker[.<x>]`` the modules ``smp_compat.v2[.<x>]``.
+"""The import hook that makes ``torch.sagemaker[.<x>]`` the modules ``smp_compat.v2[.<x>]``, and the GPU-only
+packages SMP v2 scripts import (Transformer Engine, megatron-core's checkpoint exception, SMDDP) our stand-ins.
 
 ``torch.sagemaker`` is a submodule of torch, so no package on ``PYTHONPATH`` can provide it: a
-``sys.meta_path`` finder must. It is *appended*, so a real SMP build (whose torch ships ``sagemaker``) wins:
-the path finder before it finds that first. Once it has served ``torch.sagemaker`` there is no real one,
-and the finder moves to the front, so that ``torch.sagemaker.x`` maps to the already imported
-``smp_compat.v2.x`` instead of being loaded a second time from ``smp_compat.v2``'s folder.
+``sys.meta_path`` finder must. It is *appended*, and for a top-level alias it first asks every other finder:
+a real SMP build (whose torch ships ``sagemaker``), a real Transformer Engine or SMDDP always wins. Once it
+has served an alias there is no real one, and the finder moves to the front, so that ``torch.sagemaker.x``
+maps to the already imported ``smp_compat.v2.x`` instead of being loaded a second time from
+``smp_compat.v2``'s folder.
 
 Standard library only: the launcher's ``sitecustomize`` loads this file by path at interpreter start,
-before torch or smp_compat are imported, and installing costs nothing until a script imports the name.
+before torch or smp_compat are imported, and installing costs nothing until a script imports a name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["ALIAS", "TARGET", "TorchSagemakerFinder", "install_finder", "remove_finder", "target_name"]
+__all__ = ["ALIAS", "ALIASES", "TARGET", "TorchSagemakerFinder", "install_finder", "remove_finder", "target_name"]
 
 ALIAS = "torch.sagemaker"
 """The SMP v2 import name scripts use (``import torch.sagemaker as tsm``)."""
@@ -28,23 +30,47 @@ ALIAS = "torch.sagemaker"
 TARGET = "smp_compat.v2"
 """The package it stands for."""
 
+_STANDINS = "smp_compat.v2.standins"
+
+ALIASES: dict[str, str] = {
+    ALIAS: TARGET,
+    "transformer_engine": f"{_STANDINS}.transformer_engine",
+    "megatron": f"{_STANDINS}.megatron",
+    "smdistributed": f"{_STANDINS}.smdistributed",
+    "smdistributed.dataparallel": f"{_STANDINS}.smdistributed.dataparallel",
+}
+"""Alias -> our package, for names no installed package provides (the longest matching alias applies)."""
+
 _MARK = "_smp_compat_v2_alias_finder"
 """Set on every instance, so copies loaded under another module name (the sitecustomize's) are recognised."""
 
 
+def _alias_of(fullname: str) -> str | None:
+    """The longest alias that ``fullname`` is or lies under."""
+    found = [a for a in ALIASES if fullname == a or fullname.startswith(a + ".")]
+    return max(found, key=len) if found else None
+
+
 def target_name(fullname: str) -> str | None:
-    """``torch.sagemaker.x.y`` -> ``smp_compat.v2.x.y``; None for any other name."""
-    if fullname == ALIAS:
-        return TARGET
-    if fullname.startswith(ALIAS + "."):
-        return TARGET + fullname[len(ALIAS) :]
-    return None
+    """``torch.sagemaker.x.y`` -> ``smp_compat.v2.x.y`` (and so on for each alias); None for any other name."""
+    alias = _alias_of(fullname)
+    return None if alias is None else ALIASES[alias] + fullname[len(alias) :]
 
 
-def _serving() -> bool:
-    """True when ``torch.sagemaker`` in this process is smp_compat's (not a real SMP install)."""
-    module = sys.modules.get(ALIAS)
-    return module is not None and getattr(module, "__name__", None) == TARGET
+def _serving(alias: str) -> bool:
+    """True when ``alias`` in this process is our module (not a real install)."""
+    module = sys.modules.get(alias)
+    return module is not None and getattr(module, "__name__", None) == ALIASES[alias]
+
+
+def _found_elsewhere(finder: object, fullname: str, path: Sequence[str] | None) -> bool:
+    """Whether another finder on ``sys.meta_path`` provides ``fullname`` (a real install wins)."""
+    for other in list(sys.meta_path):
+        if other is finder or getattr(other, _MARK, False) or not hasattr(other, "find_spec"):
+            continue
+        if other.find_spec(fullname, path) is not None:
+            return True
+    return False
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -58,12 +84,12 @@ class _AliasLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         sys.modules[module.__name__] = importlib.import_module(self.target)
-        if module.__name__ == ALIAS:
+        if module.__name__ in ALIASES:
             _move_to_front()
 
 
 class TorchSagemakerFinder(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` entry that answers only for ``torch.sagemaker`` and, once that is ours, its submodules."""
+    """A ``sys.meta_path`` entry that answers for an alias nobody else provides and, once it is ours, its submodules."""
 
     def __init__(self) -> None:
         setattr(self, _MARK, True)
@@ -71,11 +97,18 @@ class TorchSagemakerFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        real = target_name(fullname)
-        if real is None or (fullname != ALIAS and not _serving()):
-            return None  # a real torch.sagemaker's missing submodule stays missing
+        alias = _alias_of(fullname)
+        if alias is None:
+            return None
+        parent = alias.rpartition(".")[0]
+        ours_above = parent in ALIASES and _serving(parent)  # smdistributed.dataparallel under our smdistributed
+        if fullname == alias and not ours_above and _found_elsewhere(self, fullname, path):
+            return None  # a real install wins
+        if fullname != alias and not _serving(alias):
+            return None  # a real package's missing submodule stays missing
+        real = ALIASES[alias] + fullname[len(alias) :]
         if real not in sys.modules and importlib.util.find_spec(real) is None:
-            return None  # ModuleNotFoundError then names the torch.sagemaker module the script asked for
+            return None  # ModuleNotFoundError then names the module the script asked for
         return importlib.util.spec_from_loader(fullname, _AliasLoader(real))
 
 

@@ -23,6 +23,8 @@ from smp_compat.launch import detect_launch
 from smp_compat.v2.config import check_supported, resolve_v2_config
 from smp_compat.v2.layout import DIMS, Layout, resolve_shard_degree
 from smp_compat.v2.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from smp_compat.v2.standins.attention import install_sdpa_fallback
+from smp_compat.v2.standins.real_te import guard_real_fp8_autocast
 from smp_compat.v2.state import state
 
 __all__ = ["build_mesh", "init", "is_initialized"]
@@ -39,7 +41,8 @@ def is_initialized() -> bool:
 
 def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> None:
     """Start SMP v2: config (SM_HP_MP_PARAMETERS over ``config`` over values written to ``tsm.state``), process
-    group, the ("rep", "shard", "cp", "tp") device mesh, the replica groups and the RNG tracker."""
+    group, the ("rep", "shard", "cp", "tp") device mesh, the replica groups and the RNG tracker; then the
+    stand-ins that act on model construction (flash-attention 2 -> sdpa, fp8 off where it cannot run)."""
     cfg = resolve_v2_config(config, written=state.written_before_init())
     check_supported(cfg)
     if state.initialized:
@@ -54,7 +57,10 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     cfg.check_world_size(world)
     shard = resolve_shard_degree(cfg.hybrid_shard_degree, world, cfg.tensor_parallel_degree, local_world)
     layout = Layout(world, cfg.tensor_parallel_degree, cfg.context_parallel_degree, shard, cfg.expert_parallel_degree)
-    mesh = build_mesh(layout, _device_type())
+    device_type = _device_type()
+    if device_type == "cuda":
+        _select_gpu(rank)
+    mesh = build_mesh(layout, device_type)
     rep_group = _rep_rank_group(layout, rank)
     tracker = RNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, cfg.random_seed + layout.coords(rank).tp)
@@ -62,6 +68,8 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     from smp_compat.v2.fsdp import install  # the FSDP1 constructor serves the v2 layout from here on
 
     install()
+    install_sdpa_fallback()  # the scripts build their model after tsm.init()
+    guard_real_fp8_autocast()
     if rank == 0:
         log.info("SMP v2 (smp_compat) initialized: %s; %s", cfg.model_dump(), layout.rank_table()[0])
 
@@ -75,6 +83,15 @@ def _device_type() -> str:
     """"cuda" when the default group talks NCCL (or SMDDP, which maps to it), else "cpu"."""
     backend = str(dist.get_backend())
     return "cuda" if ("nccl" in backend or "smddp" in backend) and torch.cuda.is_available() else "cpu"
+
+
+def _select_gpu(rank: int) -> None:
+    """AWS's scripts call ``torch.cuda.set_device(rank % device_count)`` only after ``tsm.init()``, while the mesh's
+    NCCL groups are made here: a process still on the default GPU 0 moves to that same GPU now, so that the
+    groups of one node are not all created on GPU 0. A device the script already chose is kept."""
+    index = rank % torch.cuda.device_count()
+    if torch.cuda.current_device() == 0 and index != 0:
+        torch.cuda.set_device(index)
 
 
 def _join_process_group() -> int:

@@ -10,7 +10,7 @@ import pytest
 import smp_compat as smp
 from smp_compat.globalstate import BIND_ENV, bind_from_environment, core_share
 from smp_compat.cli.run import plan_launch
-from smp_compat.heap import TUNE_MALLOC_ENV
+from smp_compat.host.heap import TUNE_MALLOC_ENV
 from smp_compat.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux core affinity")

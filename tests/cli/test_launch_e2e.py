@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import smp_compat
 from smp_compat import cli, shim
+from smp_compat.cli.launch_config import SMP_V1, SMP_V2, smp_major
 from smp_compat.cli.run import plan_launch
 from smp_compat.errors import SMPConfigError
 from launching import TIMEOUT_S, clean_env, free_port, run_all, smp_compat_command
@@ -210,6 +211,25 @@ def test_invalid_config_is_an_error_before_launch(capsys: pytest.CaptureFixture[
     assert 'unknown key "microbatch"' in err and "did you mean" in err
     code, _, err = _dry_run(capsys, "--config", "no/such/file.json")
     assert code == 2 and "neither a JSON object" in err
+
+
+V2_DISTRIBUTION = {"torch_distributed": {"enabled": True},
+                   "smdistributed": {"modelparallel": {"enabled": True, "parameters": {"hybrid_shard_degree": 2}}}}
+
+
+@pytest.mark.parametrize(("raw", "major"), [
+    (DISTRIBUTION, SMP_V1), (PARAMETERS, SMP_V1), (DISTRIBUTION["smdistributed"], SMP_V1),
+    ({"torch_distributed": {"enabled": True}, "pipeline_parallel_degree": 2}, SMP_V1),  # no SMP section
+    (V2_DISTRIBUTION, SMP_V2), ({"hybrid_shard_degree": 2}, SMP_V2),  # bare parameters with a v2-only key
+])  # fmt: skip
+def test_the_smp_major_version_is_sagemakers_rule(raw: dict[str, Any], major: int) -> None:
+    assert smp_major(raw) == major
+
+
+def test_an_smp_v2_distribution_is_launched_as_v2_not_checked_as_v1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _dry_run(capsys, "--nproc-per-node", "2", "--config", json.dumps(V2_DISTRIBUTION))
+    assert code == 0, err
+    assert "SMP v2 (torch.sagemaker)" in out and "unknown key" not in err  # v2's layout: tests/v2/test_v2_launch.py
 
 
 def test_plan_uses_processes_per_host_and_exports_sagemaker_variables() -> None:

@@ -132,3 +132,13 @@ def test_invalid_config_is_reported_by_the_cli(capsys: pytest.CaptureFixture[str
                      '{"microbatchez": 2}'])  # fmt: skip
     assert code == 2
     assert 'unknown key "microbatchez"' in capsys.readouterr().err
+
+
+def test_config_is_read_as_run_reads_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """One reader for --config (smp-compat run's): its mpi section checked, its errors worded the same."""
+    factory = f"{EXAMPLES / 'mnist_cnn.py'}:make_model"
+    bad_mpi = json.dumps({"smdistributed": {"modelparallel": {"parameters": {}}}, "mpi": {"processes_per_host": 0}})
+    for config, message in ((bad_mpi, '"mpi"."processes_per_host" must be a positive int'),
+                            ("no/such/file.json", "neither a JSON object")):  # fmt: skip
+        assert cli.main(["plan", factory, "--input", "4x1x28x28", "--config", config]) == 2
+        assert message in capsys.readouterr().err

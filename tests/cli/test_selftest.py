@@ -54,9 +54,11 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     checks = _by_name(report)
     assert list(checks) == [c.name for c in CHECKS] + ["user-config"]
     skipped = {name for name, c in checks.items() if c["status"] == "SKIP"}
-    assert skipped == {"pp2-spread"}, {n: c["reason"] for n, c in checks.items() if n in skipped}
+    assert skipped == {"pp2-spread", "v2-tp2-hsd2"}, {n: c["reason"] for n, c in checks.items() if n in skipped}
     assert "neighbouring ranks" in checks["pp2-spread"]["reason"]
-    assert all(c["status"] == "PASS" for n, c in checks.items() if n != "pp2-spread"), output[-6000:]
+    assert "multiple of 4 ranks" in checks["v2-tp2-hsd2"]["reason"]
+    assert all(c["status"] == "PASS" for n, c in checks.items() if n not in skipped), output[-6000:]
+    assert checks["v2-hsd2"]["layout"] == "shard2×rep1" and checks["v2-sharded-resume"]["worst_difference"] < 1e-5
     assert checks["user-config"]["layout"] == "pp2" and checks["pp2-simple"]["worst_difference"] < 1e-5
     assert checks["pp2-simple"]["pipeline_links"] == {"0": "rank 1: shared memory", "1": "rank 0: shared memory"}
     env = report["environment"]
@@ -64,19 +66,27 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert env["backend"] == "gloo" and "no GPU" in env["backend_reason"] and len(env["hosts"]) == 1
     assert env["shim"] == "smdistributed.modelparallel.torch -> smp_compat"
     assert [r["device"] for r in env["ranks"]] == ["cpu", "cpu"]
-    assert "smp-compat selftest" in output and "12 passed, 0 failed, 1 skipped" in output
+    assert "smp-compat selftest" in output and "14 passed, 0 failed, 2 skipped" in output
 
 
 def test_four_ranks_pass(tmp_path: Path) -> None:
-    """Every check but the Hugging Face swap, which costs four imports of transformers on two cores here: it runs
-    at 2 ranks above, and at 4 in tests/nn/test_tp_gpt2.py."""
-    names = [c.name for c in CHECKS if c.name != "tp2-hf"]
+    """Every check but those with Hugging Face models, which cost four imports of transformers on two cores here:
+    they run at 2 ranks above (tp2-hf also at 4 in tests/nn/test_tp_gpt2.py; v2-tp2-hsd2 below)."""
+    names = [c.name for c in CHECKS if c.name != "tp2-hf" and not c.name.startswith("v2-")]
     code, output, report, _ = _selftest(tmp_path, 4, "--checks", ",".join(names))
     assert code == 0, output[-6000:]
     checks = _by_name(report)
     assert list(checks) == names
     assert all(c["status"] == "PASS" for c in checks.values()), {n: c["reason"] for n, c in checks.items()}
     assert checks["pp2-spread"]["layout"] == "pp2×dp2 spread" and checks["tp2"]["layout"] == "tp2×dp2"
+
+
+@pytest.mark.hf
+def test_four_ranks_smp_v2_tp_times_hybrid_shard(tmp_path: Path) -> None:
+    code, output, report, _ = _selftest(tmp_path, 4, "--checks", "v2-tp2-hsd2")
+    assert code == 0, output[-6000:]
+    check = _by_name(report)["v2-tp2-hsd2"]
+    assert check["status"] == "PASS" and check["layout"] == "tp2×shard2×rep1", check
 
 
 def test_a_rank_that_dies_is_named_and_the_job_ends_at_once(tmp_path: Path) -> None:

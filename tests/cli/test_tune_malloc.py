@@ -12,10 +12,10 @@ import textwrap
 import pytest
 
 import smp_compat.globalstate
-import smp_compat.heap
+import smp_compat.host.heap
 from smp_compat.cli.run import plan_launch
 from smp_compat.globalstate import tune_from_environment
-from smp_compat.heap import TUNE_MALLOC_ENV
+from smp_compat.host.heap import TUNE_MALLOC_ENV
 from smp_compat.testing import run_ranks
 
 glibc_only = pytest.mark.skipif(
@@ -51,7 +51,7 @@ _ROUNDS = textwrap.dedent(
 
 def _faults_per_round(mode: str) -> list[int]:
     out = subprocess.run(
-        [sys.executable, "-c", _ROUNDS, smp_compat.heap.__file__, mode],
+        [sys.executable, "-c", _ROUNDS, smp_compat.host.heap.__file__, mode],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return [int(n) for n in out.stdout.split()]
@@ -103,5 +103,5 @@ def test_run_exports_the_no_form_as_off(tmp_path) -> None:
 
 def test_a_preloaded_allocator_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert smp_compat.heap.keep_freed_memory() is False
+    assert smp_compat.host.heap.keep_freed_memory() is False
     assert tune_from_environment({}, pipelined_on_cpu=True) is False

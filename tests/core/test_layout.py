@@ -22,7 +22,7 @@ PACKAGE = Path(smp_compat.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
     "errors": 0,
-    "config": 1, "torch_floor": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1, "heap": 1,
+    "config": 1, "host": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1,
     "globalstate": 2,
     "comm": 3, "ranks": 3,
     "stepping": 4, "partitioning": 4, "precision": 4, "checkpoints": 4,

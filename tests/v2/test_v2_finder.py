@@ -41,9 +41,13 @@ def test_torch_sagemaker_and_its_submodules_are_smp_compat_v2s_modules() -> None
             import torch.sagemaker.no_such_module
         except ModuleNotFoundError as exc:
             print(exc.name)
+        import torch.distributed as dist
+        tsm.init()  # no process group and no launcher variables: tsm.init starts a world of one
+        print(dist.get_world_size(), dist.get_backend(), tsm.state.device_mesh.mesh.shape[0])
         """
     )
-    assert out.splitlines() == ["True True True True True TorchSagemakerFinder", "torch.sagemaker.no_such_module"]
+    assert out.splitlines() == ["True True True True True TorchSagemakerFinder", "torch.sagemaker.no_such_module",
+                                "1 gloo 1"]
 
 
 def test_a_real_torch_sagemaker_wins(tmp_path) -> None:

@@ -36,6 +36,10 @@ def _probe(config: dict[str, Any], use_env: bool) -> dict[str, Any]:
     def members(group: Any) -> list[int]:
         return sorted(dist.get_process_group_ranks(group))
 
+    from torch.sagemaker.utils.process_group_utils import get_global_ranks
+
+    assert get_global_ranks(s.tp_process_group) == members(s.tp_process_group)
+    assert tsm.is_initialized()
     probe = torch.tensor([float(s.rank)])
     dist.all_reduce(probe, group=s.tp_process_group)  # the groups carry traffic, not only names
     return {
@@ -84,9 +88,19 @@ def test_init_builds_state_and_groups_at_world_4(name: str) -> None:
 def _rng_probe() -> list[float]:
     import torch
 
+    from smp_compat.errors import SMPConfigError
+
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": 2, "random_seed": 7})
+    tsm.init({"tensor_parallel_degree": 2, "random_seed": 7})  # the same config again: nothing happens
+    for late in (lambda: setattr(tsm.state, "tensor_parallel_degree", 1), lambda: tsm.init({"random_seed": 8})):
+        try:
+            late()
+        except SMPConfigError:
+            pass
+        else:
+            raise AssertionError("a change after tsm.init() was accepted")
     torch.manual_seed(0)
     tracker = tsm.state.get_rng_state_tracker()
     with tracker.fork():

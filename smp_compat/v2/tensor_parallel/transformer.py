@@ -15,7 +15,7 @@ from torch import nn
 
 from smp_compat.errors import SMPUnsupportedError
 
-__all__ = ["TransformerLayer", "mark_transformer_layer", "is_marked"]
+__all__ = ["TETransformerLayer", "TransformerLayer", "mark_transformer_layer", "is_marked"]
 
 _MARK = "_tsm_transformer_layer"
 
@@ -49,3 +49,7 @@ def mark_transformer_layer(layer: nn.Module) -> None:
 def is_marked(module: nn.Module) -> bool:
     """Whether ``transform`` marked this module as a decoder layer."""
     return bool(module.__dict__.get(_MARK, False))
+
+
+TETransformerLayer = TransformerLayer
+"""SMP's name for the class on torch < 2.2 (AWS's fsdp_utils imports it there); the same class here."""

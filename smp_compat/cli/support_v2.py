@@ -1,0 +1,149 @@
+"""The registry of what smp_compat supports of SMP v2 (``torch.sagemaker``): every public symbol AWS's scripts and
+SMP's reference name, every ``tsm.state`` attribute and the nine config keys, with status and advice.
+
+``smp-compat check`` (``scan.py``, ``check.py``) and the "SMP v2" part of docs/api_support.md read it; tests
+hold it against the package (a supported or partial name must import through ``torch.sagemaker``, an
+unsupported one must not). Config-key meanings come from ``SMPv2Config``'s field docstrings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from smp_compat.cli.support import Entry, Status
+from smp_compat.v2.config import SMPv2Config
+
+__all__ = ["API_V2", "API_V2_SECTIONS", "CONFIG_V2", "lookup_api_v2"]
+
+_S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
+_Row = tuple  # (name, status, note, action[, group])
+_IMPORT_ONLY = "Importable for the scripts' import lines; dead code on transformers >= 4.37.1 (AWS's create_model)."
+_ISSUE_35 = "Context and expert parallelism are refused by name until they are implemented (issue 35)."
+
+_ROWS: list[tuple[str, list[_Row]]] = [
+    ("Initialization, transform, parameters, clipping", [
+        ("init", _S, "A dict or a JSON path; SM_HP_MP_PARAMETERS wins key by key; uses the script's process "
+         "group or starts one (torchrun, Slurm, Open MPI).", ""),
+        ("is_initialized", _S, "", ""),
+        ("transform", _P, "Tensor parallelism on DTensor for GPT-NeoX, Llama 2/3 (llama3 rope scaling) and Mistral, "
+         "Hugging Face names kept (a full save is a Hugging Face checkpoint); load_state_dict_from_rank0. "
+         + _ISSUE_35, "Other models: one SMPUnsupportedError naming the supported ones; use them at tp 1 without "
+         "transform, or port the model."),
+        ("delayed_param.DelayedParamIniter", _S, "Hugging Face's initialization per FSDP unit, then re-tying.", ""),
+        ("grad_norm.clip_grad_norm_", _S, "The global norm over shards and tensor-parallel pieces, as one-process "
+         "torch.nn.utils.clip_grad_norm_.", ""),
+        ("tensor_parallel.transformer.TransformerLayer", _S, "isinstance holds for the decoder layers of a "
+         "transformed model (the scripts' wrap policy and activation checkpointing).", ""),
+        ("tensor_parallel.transformer.TETransformerLayer", _P, "SMP's name on torch < 2.2: AWS's fsdp_utils picks "
+         "TransformerLayer on every torch smp_compat runs on; here the same class.", ""),
+        ("moe.moe_config.MoEConfig", _P, "Importable; transform(config=MoEConfig(...)) is refused. " + _ISSUE_35,
+         "Train MoE models without SMP's MoE, or wait for issue 35."),
+        ("moe.moe_layer.MoELayer", _P, "For isinstance checks only (no model contains it).", ""),
+        ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _P, _IMPORT_ONLY, "Leave use_smp_flash_attn to "
+         "create_model, which turns it off."),
+        ("nn.attn.FlashSelfAttention", _P, _IMPORT_ONLY, ""),
+        ("nn.attn.FlashGroupedQueryAttention", _P, _IMPORT_ONLY, ""),
+    ]),
+    ("Helpers", [
+        ("logger.get_logger", _S, "", ""),
+        ("utils.utils.timeit", _S, "", ""),
+        ("utils.process_group_utils.get_global_ranks", _S, "", ""),
+        ("utils.module_utils.empty_module_params", _P, "SMP documents no signature: (module, device=None, "
+         "recurse=True) gives parameters and buffers uninitialised storage on the device.", ""),
+        ("utils.module_utils.move_buffers_to_device", _P, "SMP documents no signature: (module, device=None, "
+         "recurse=True) moves buffers only.", ""),
+    ]),
+    ("Checkpoints", [
+        ("checkpoint.utils.limit_num_subdirs", _S, "", ""),
+        ("checkpoint.utils.SORT_BY_LAST_INT", _S, "", ""),
+        ("distributed.checkpoint.async_utils.AsyncCallsQueue", _S, "", ""),
+        ("distributed.checkpoint.state_dict_saver.async_save", _P, "DCP's async save with the scripts' global "
+         "coordinator rank; S3 paths are refused.", "Save to a local or shared file system."),
+        ("distributed.checkpoint.state_dict_saver.save", _S, "", ""),
+        ("distributed.checkpoint.state_dict_saver.maybe_finalize_async_calls", _S, "", ""),
+        ("distributed.checkpoint.state_dict_saver.PyTorchDistSaveShardedStrategy", _S, "", ""),
+        ("distributed.checkpoint.state_dict_loader.load", _S, "", ""),
+        ("distributed.checkpoint.filesystem.DistributedFileSystemReader", _S, "", ""),
+        ("distributed.checkpoint.state_dict_utils.sm_state_dict_type", _S, "", ""),
+        ("distributed.checkpoint.state_dict_utils.SMStateDictType", _S, "", ""),
+        ("distributed.checkpoint.state_dict_utils.init_optim_state", _S, "", ""),
+        ("distributed.fsdp", _U, "SMP's own FSDP module paths (checkpoint helpers removed in SMP 2.7; HyperPod's "
+         "register_tp_processing_pre_comm_hook).", "Call torch's FullyShardedDataParallel as AWS's current "
+         "scripts do; smp_compat serves it after tsm.init().", True),
+    ]),
+]
+
+_STATE_ROWS: list[_Row] = [
+    *[(f"state.{key}", _S, "Writable before tsm.init(); init keeps a written value where the config does not set "
+       "the key.", "") for key in ("tensor_parallel_degree", "tp_size", "hybrid_shard_degree")],
+    *[(f"state.{key}", _P, "Reads 1 (writable before init). " + _ISSUE_35, "")
+      for key in ("context_parallel_degree", "cp_size", "expert_parallel_degree", "ep_size")],
+    *[(f"state.{key}", _S, "", "") for key in (
+        "tp_rank", "cp_rank", "ep_rank", "rank", "world_size", "dp_rank", "dp_size", "tp_process_group",
+        "world_process_group", "rep_rank_process_group", "ranker.get_rep_rank", "ranker.get_rep_groups",
+        "sm_activation_offloading", "activation_loading_horizon", "random_seed")],
+    ("state.get_rng_state_tracker", _S, "Megatron's tracker API (add, fork, get_states, set_states, reset), seeded "
+     "random_seed + tp_rank on the CPU and CUDA generators.", ""),
+    ("state.device_mesh", _S, "An smp_compat addition: the (\"rep\", \"shard\", \"cp\", \"tp\") DeviceMesh.", ""),
+]
+
+_CONFIG_NOTES: dict[str, tuple[Status, str, str]] = {
+    "sm_activation_offloading": (_P, "Read by the scripts, which then apply torch's offload_wrapper (which works); "
+                                 "SMP's own prefetching offload is not implemented.", ""),
+    "activation_loading_horizon": (_P, "Accepted; a prefetch depth with no effect here (speed only).", ""),
+    "fsdp_cache_flush_warnings": (_P, "Accepted; no allocator-flush warning is printed.", ""),
+    "allow_empty_shards": (_S, "FSDP2 shards uneven tensors (empty shards included) either way.", ""),
+    "context_parallel_degree": (_U, _ISSUE_35, "Set it to 1."),
+    "expert_parallel_degree": (_U, _ISSUE_35, "Set it to 1."),
+}
+
+
+_MODULES = (
+    "delayed_param", "grad_norm", "moe", "moe.moe_config", "moe.moe_layer", "tensor_parallel",
+    "tensor_parallel.transformer", "nn", "nn.huggingface", "nn.huggingface.llama_flashattn", "nn.attn", "logger",
+    "utils", "utils.utils", "utils.process_group_utils", "utils.module_utils", "checkpoint", "checkpoint.utils",
+    "distributed", "distributed.checkpoint", "distributed.checkpoint.async_utils",
+    "distributed.checkpoint.state_dict_saver", "distributed.checkpoint.state_dict_loader",
+    "distributed.checkpoint.filesystem", "distributed.checkpoint.state_dict_utils",
+)  # fmt: skip
+"""torch.sagemaker's module paths (imported as modules by the scripts); a name below one must be registered, as
+below ``state`` and ``state.ranker`` (kind "module" too: namespaces, listed in no docs table)."""
+
+
+def _entries() -> dict[str, Entry]:
+    out = {name: Entry(name, "module", _S, "Modules", "A module of torch.sagemaker.") for name in _MODULES}
+    out["state"] = Entry("state", "module", _S, "tsm.state", "Importable and writable before tsm.init().")
+    out["state.ranker"] = Entry("state.ranker", "module", _S, "tsm.state", "Replication ranks.")
+    for section, rows in _ROWS:
+        for name, status, note, action, *group in rows:
+            out[name] = Entry(name, "api", status, section, note, action, bool(group and group[0]))
+    for name, status, note, action in _STATE_ROWS:
+        out[name] = Entry(name, "api", status, "tsm.state", note, action)
+    return out
+
+
+API_V2: dict[str, Entry] = _entries()
+"""Names below ``torch.sagemaker`` -> entry."""
+
+API_V2_SECTIONS: tuple[str, ...] = (*(section for section, _ in _ROWS), "tsm.state")
+"""The docs' sections (module entries are not listed there)."""
+
+def _config_entry(key: str, meaning: str) -> Entry:
+    status, note, action = _CONFIG_NOTES.get(key, (_S, "", ""))
+    return Entry(key, "config", status, "SMP v2", note, action, meaning=meaning)
+
+
+CONFIG_V2: dict[str, Entry] = {key: _config_entry(key, field.description or "")
+                               for key, field in SMPv2Config.model_fields.items()}  # fmt: skip
+"""The nine SMP v2 keys."""
+
+
+def lookup_api_v2(parts: Sequence[str]) -> tuple[Entry, int] | None:
+    """The entry for a dotted name below ``torch.sagemaker`` and how many parts it covers (the longest prefix)."""
+    for length in range(len(parts), 0, -1):
+        entry = API_V2.get(".".join(parts[:length]))
+        if entry is not None and entry.kind == "module" and length < len(parts):
+            return None  # an unknown name in a known module
+        if entry is not None:
+            return entry, length
+    return None

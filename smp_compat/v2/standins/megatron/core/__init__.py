@@ -1,0 +1,5 @@
+"""Stand-in for ``megatron.core`` (see smp_compat.v2.standins.megatron)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,11 @@
+"""Stand-in for ``megatron.core.dist_checkpointing.mapping``: the exception class scripts import."""
+
+from __future__ import annotations
+
+from smp_compat.errors import CheckpointError
+
+__all__ = ["CheckpointingException"]
+
+
+class CheckpointingException(CheckpointError):
+    """megatron-core's checkpoint error; smp_compat's CheckpointError, so one ``except`` catches both."""

@@ -1,0 +1,53 @@
+"""Stand-in for ``transformer_engine.pytorch``: ``fp8_autocast`` (no fp8) and ``checkpoint`` (torch's)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.utils.checkpoint
+
+from smp_compat.v2.standins import announce
+from smp_compat.v2.standins.transformer_engine.pytorch import attention
+
+__all__ = ["attention", "checkpoint", "fp8_autocast"]
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Any = None, fp8_group: Any = None,
+                 **kwargs: Any) -> Iterator[None]:  # fmt: skip
+    """Run the block unchanged: without Transformer Engine there is no fp8 (announced once when enabled)."""
+    if enabled:
+        announce("fp8", "fp8_autocast(enabled=True) without Transformer Engine: fp8 is off, the model runs in its "
+                 "own precision (bf16 under the scripts' MixedPrecision).")  # fmt: skip
+    yield
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, distribute_saved_activations: bool = False,
+               get_rng_state_tracker: Callable[[], Any] | None = None, tp_group: Any = None,
+               use_reentrant: bool = True, **kwargs: Any) -> Any:  # fmt: skip
+    """torch's activation checkpoint, accepting TE's extra arguments.
+
+    ``get_rng_state_tracker``'s streams are restored for the recomputation, as TE does, so dropout inside a
+    ``tracker.fork()`` draws the same numbers twice. ``distribute_saved_activations`` and ``tp_group`` (which
+    split saved inputs over the tp group) only save memory; torch's checkpoint keeps whole inputs.
+    """
+    if get_rng_state_tracker is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+    tracker = get_rng_state_tracker()
+    at_forward = tracker.get_states()
+    calls = []
+
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        if not calls:  # the first (forward) pass
+            calls.append(True)
+            return function(*inner_args, **inner_kwargs)
+        now = tracker.get_states()
+        tracker.set_states(at_forward)
+        try:
+            return function(*inner_args, **inner_kwargs)
+        finally:
+            tracker.set_states(now)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
