@@ -75,14 +75,15 @@ def reference_training(dp: int, steps: int = STEPS) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS) -> tuple[list[float], dict]:
+def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS,
+                          make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> tuple[list[float], dict]:
     """One process doing what MixedPrecision(dtype, dtype, fp32 buffers) does: fp32 masters and optimizer,
     forward and backward in ``dtype`` per data-parallel rank, gradients summed in ``dtype`` within each shard
     group, then across replicas (HSDP's reduce-scatter, then all-reduce), divided by ``dp``, then fp32."""
     import copy
 
     master = tiny_llama()
-    opt = adamw(master)
+    opt = (make_opt or adamw)(master)
     losses = []
     for step in range(steps):
         work = copy.deepcopy(master)

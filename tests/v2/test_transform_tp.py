@@ -34,7 +34,9 @@ def _train_tp2(family: str) -> dict:
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     losses = th.train(model, th.batches())
-    return {"losses": losses, "state": th.full_state(model), "layers": len(layers), "local": local}
+    with torch.no_grad():
+        logits = model(input_ids=th.batches(1)[0]).logits
+    return {"losses": losses, "state": th.full_state(model), "layers": len(layers), "local": local, "logits": logits}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -55,6 +57,8 @@ def test_tp2_equals_one_process(family: str) -> None:
         for name, value in ref_state.items():
             torch.testing.assert_close(r["state"][name], value, rtol=1e-4, atol=1e-4, msg=f"rank {rank} {name}")
     stock.load_state_dict(results[0]["state"], strict=True)  # the gathered state dict is a stock HF checkpoint
+    with torch.no_grad():  # ... of the same model: stock Hugging Face gives the trained tp model's logits
+        torch.testing.assert_close(stock(input_ids=th.batches(1)[0]).logits, results[0]["logits"], rtol=1e-4, atol=1e-5)
 
 
 def _meta_stays_meta() -> dict:

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.errors import SMPConfigError, SMPNotInitializedError, SMPUnsupportedError
+from smp_compat.v2.state import state
 from smp_compat.v2.tensor_parallel.transformer import mark_transformer_layer
 from smp_compat.v2.transform.family import find_family
 from smp_compat.v2.transform.sharding import check_divisible, split_layers, split_parameter_names
@@ -40,7 +41,9 @@ def transform(
     them from FSDP's ``sync_module_states``. Collective over each tp group.
     """
     if cp_comm_type not in CP_COMM_TYPES:
-        raise SMPConfigError(f"torch.sagemaker.transform: cp_comm_type must be one of {CP_COMM_TYPES}; got {cp_comm_type!r}")
+        raise SMPConfigError(
+            f"torch.sagemaker.transform: cp_comm_type must be one of {CP_COMM_TYPES}; got {cp_comm_type!r}"
+        )
     if config is not None:
         raise SMPUnsupportedError(
             f"torch.sagemaker.transform(config={type(config).__name__}(...)): mixture-of-experts models (MoEConfig, "
@@ -82,16 +85,14 @@ def _move(model: nn.Module, device: torch.device | str | None, dtype: torch.dtyp
 
 def _tp_from_state() -> tuple[int, DeviceMesh | None]:
     """(tensor_parallel_degree, the tp mesh) from ``tsm.state``; errors for init missing, cp or ep."""
-    from smp_compat.errors import SMPNotInitializedError
-    from smp_compat.v2.state import state
-
-    if not getattr(state, "initialized", False):
+    if not state.initialized:
         raise SMPNotInitializedError("torch.sagemaker.transform needs torch.sagemaker.init() first.")
-    for key, feature in (("context_parallel_degree", "context parallelism"), ("expert_parallel_degree", "expert parallelism")):
-        if getattr(state, key, 1) > 1:
+    for key, feature in (("context_parallel_degree", "context parallelism"),
+                         ("expert_parallel_degree", "expert parallelism")):  # fmt: skip
+        if getattr(state, key) > 1:
             raise SMPUnsupportedError(
-                f"torch.sagemaker.transform: {feature} ({key}={getattr(state, key)}) is not supported yet (issue 35); "
-                f"set {key} to 1."
+                f"torch.sagemaker.transform: {feature} ({key}={getattr(state, key)}) is not supported yet "
+                f"(issue 35); set {key} to 1."
             )
     tp = state.tensor_parallel_degree
     return tp, (state.device_mesh["tp"] if tp > 1 else None)

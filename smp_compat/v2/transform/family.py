@@ -64,7 +64,7 @@ def find_family(model: nn.Module) -> Family:
     for family in _families():
         if model_type in family.model_types:
             return family
-    seen = f"a Hugging Face {model_type!r} model" if model_type else f"{type(model).__name__} (not a Hugging Face model)"
+    seen = f"a Hugging Face {model_type!r} model" if model_type else f"{type(model).__name__} (not Hugging Face)"
     extra = " Mixtral (MoE) and expert parallelism come with issue 35." if model_type == "mixtral" else ""
     raise SMPUnsupportedError(
         f"torch.sagemaker.transform supports Hugging Face {SUPPORTED} models; got {seen}.{extra} "

@@ -71,7 +71,8 @@ def split_layers(model: nn.Module, family: Family, mesh: DeviceMesh, counts: Hea
     for layer in family.layers(model):
         parallelize_module(layer, mesh, plan)
         for path in family.blocks:
-            layer.get_submodule(path).register_forward_pre_hook(functools.partial(_replicated_input, mesh), with_kwargs=True)
+            hook = functools.partial(_replicated_input, mesh)
+            layer.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
         attention = layer.get_submodule(family.attention)
         for attribute, kind in family.head_attributes.items():
             if attribute in attention.__dict__:  # transformers 4.x keeps them as plain attributes
