@@ -158,8 +158,7 @@ def _divisors(n: int, multiple_of: int) -> list[int]:
 
 def check_supported(cfg: SMPv2Config) -> None:
     """Refuse what smp_compat does not implement yet (issue 35), after the config itself is valid."""
-    for key, feature in (("context_parallel_degree", "context parallelism"),
-                         ("expert_parallel_degree", "expert parallelism (MoE)")):  # fmt: skip
+    for key, feature in (("expert_parallel_degree", "expert parallelism (MoE)"),):
         value = getattr(cfg, key)
         if value > 1:
             raise SMPUnsupportedError(
