@@ -75,3 +75,8 @@ def cp_training(family: str, comm_type: str, degrees: dict[str, int]) -> dict[st
     dist.all_reduce(world)
     return {"losses": (world / dist.get_world_size()).tolist(), "mine": stacked.tolist(),
             "params": fsdp_job.full_params(model)}  # fmt: skip
+
+
+def several(runs: list[tuple[str, str, dict[str, int]]]) -> list[dict[str, Any]]:
+    """Several ``cp_training`` jobs one after another in the same ranks (each a fresh tsm.init)."""
+    return [cp_training(*run) for run in runs]

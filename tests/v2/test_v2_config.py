@@ -97,8 +97,12 @@ def test_valid_layouts_pass_the_world_rules() -> None:
         SMPv2Config(**params).check_world_size(world)
 
 
-@pytest.mark.parametrize("key", ["context_parallel_degree", "expert_parallel_degree"])
-def test_context_and_expert_parallelism_are_refused_by_name_until_issue_35(key: str) -> None:
+@pytest.mark.parametrize("key", ["expert_parallel_degree"])
+def test_expert_parallelism_is_refused_by_name_until_issue_35(key: str) -> None:
     cfg = SMPv2Config(**{key: 2, "hybrid_shard_degree": 2})
     with pytest.raises(SMPUnsupportedError, match=f"{key}=2 asks for SMP v2's"):
         check_supported(cfg)
+
+
+def test_context_parallelism_is_accepted() -> None:
+    check_supported(SMPv2Config(context_parallel_degree=2, hybrid_shard_degree=2))
