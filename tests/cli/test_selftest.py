@@ -59,6 +59,7 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert "multiple of 4 ranks" in checks["v2-tp2-hsd2"]["reason"]
     assert all(c["status"] == "PASS" for n, c in checks.items() if n not in skipped), output[-6000:]
     assert checks["v2-hsd2"]["layout"] == "shard2×rep1" and checks["v2-sharded-resume"]["worst_difference"] < 1e-5
+    assert checks["v2-cp2"]["layout"] == "cp2×shard1×rep1" and checks["v2-cp2"]["worst_difference"] < 1e-5
     assert checks["user-config"]["layout"] == "pp2" and checks["pp2-simple"]["worst_difference"] < 1e-5
     assert checks["pp2-simple"]["pipeline_links"] == {"0": "rank 1: shared memory", "1": "rank 0: shared memory"}
     env = report["environment"]

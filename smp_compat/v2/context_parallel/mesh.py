@@ -4,7 +4,8 @@ Every cp rank holds a copy of the same weights and computes a part of the same l
 parameters over (shard x cp) together and averages gradients over them. FSDP2 takes a 2-D (replicate, shard)
 mesh; the ("shard", "cp") dims of ``tsm.state.device_mesh`` become one with ``DeviceMesh._flatten``, PyTorch's
 only way to merge dims of a mesh while keeping its root (the tensor-parallel DTensors live on that root's "tp"
-slice, and FSDP2 requires one root). That private call is isolated here.
+slice, and FSDP2 requires one root), and ``DeviceMesh._concatenate`` puts "rep" beside it (slicing the
+flattened dim off the root warns of deprecation in torch 2.13). Those private calls are isolated here.
 """
 
 from __future__ import annotations
@@ -29,5 +30,5 @@ def fsdp_mesh(root: DeviceMesh, rep: int, shard: int) -> DeviceMesh | None:
         )
     if sizes.get("rep") != rep or sizes.get("shard", 1) * cp != shard:
         return None
-    root["shard", "cp"]._flatten(SHARD_CP)
-    return root["rep", SHARD_CP]
+    flat = root["shard", "cp"]._flatten(SHARD_CP)
+    return DeviceMesh._concatenate([root["rep"], flat])  # slicing a flattened dim off the root is deprecated
