@@ -50,8 +50,8 @@ def test_cp2_with_hybrid_shard_and_tp_world4_match_one_process() -> None:
     _check(run_ranks(cp_job.several, 4, runs, timeout=600), runs, 4)
 
 
-def _attention_and_loss(comm: str) -> list[float]:
-    """Both attentions (float64 inputs, GQA) and the loss with ignored labels at chunk seams, against the
+def _attention_and_loss(comm: str, dtype: torch.dtype) -> list[float]:
+    """Both attentions (GQA; float64: plain math, float32: the CPU flash kernels) and the loss with ignored labels at chunk seams, against the
     unsplit computation; returns the max errors (output, dq, dk, dv, loss, dlogits)."""
     from smp_compat.v2.context_parallel.attention import CpGroup, context_parallel_attention
     from smp_compat.v2.context_parallel.loss import global_shift_loss
@@ -59,8 +59,8 @@ def _attention_and_loss(comm: str) -> list[float]:
     cp = CpGroup.of(dist.group.WORLD, comm)
     n, r = cp.size, cp.rank
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, h, 24, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
-    grad_out = torch.randn(2, 4, 24, 8, dtype=torch.float64)
+    q, k, v = (torch.randn(2, h, 24, 8, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+    grad_out = torch.randn(2, 4, 24, 8, dtype=dtype)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
     ref.backward(grad_out)
     local = [split_for_cp_rank(t.detach(), n, r, 2).requires_grad_() for t in (q, k, v)]
@@ -83,9 +83,10 @@ def _attention_and_loss(comm: str) -> list[float]:
     return errors
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-def test_attention_and_loss_equal_the_unsplit_computation_at_cp3(comm: str) -> None:
-    for rank, errors in enumerate(run_ranks(_attention_and_loss, 3, comm, timeout=120)):
+def test_attention_and_loss_equal_the_unsplit_computation_at_cp3(comm: str, dtype: torch.dtype) -> None:
+    for rank, errors in enumerate(run_ranks(_attention_and_loss, 3, comm, dtype, timeout=120)):
         assert max(errors) < 2e-6, f"rank {rank}: {errors}"  # blocks compute in fp32
 
 

@@ -138,7 +138,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dos = dos.float()
             delta = (dos * outs[slot]).sum(-1)
             dq, dk, dv = blocks.block_backward(qs, kv[0, :, :, :keys], kv[1, :, :, :keys], scale, mask,
-                                               lses[slot], dos, delta)  # fmt: skip
+                                               outs[slot], lses[slot], dos, delta)  # fmt: skip
             dkv[0, :, :, :keys] += dk
             dkv[1, :, :, :keys] += dv
             dqs.append(dq)
@@ -204,7 +204,8 @@ class _RingAttention(torch.autograd.Function):
             for qs, ks, diag in _pairs(cp, step):
                 keys = slice(ks * n, (ks + 1) * n)
                 dq, dk, dv = blocks.block_backward(slots[qs], kv[0, :, :, keys], kv[1, :, :, keys], scale,
-                                                   diagonal if diag else None, lses[qs], douts[qs], deltas[qs])  # fmt: skip
+                                                   diagonal if diag else None, outs[qs], lses[qs], douts[qs],
+                                                   deltas[qs])  # fmt: skip
                 dqs[qs] += dq
                 dkv[0, :, :, keys] += dk
                 dkv[1, :, :, keys] += dv

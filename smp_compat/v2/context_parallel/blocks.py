@@ -41,9 +41,29 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
     return s
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """PyTorch's CPU flash-attention kernels (which return the log-sum-exp and take the final output and
+    log-sum-exp in the backward) serve fp32/bf16/fp16 on the CPU; elsewhere the plain math below runs."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The kernels' mask form: additive, in the queries' dtype (0 visible, -inf hidden)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   mask: torch.Tensor | None) -> BlockResult:  # fmt: skip
     """Attention of grouped queries ``q`` over ``k``/``v`` (``mask``: None = every key visible to every row)."""
+    if _fused(q):
+        out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale)
+        return out.float(), lse.float()
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -62,10 +82,14 @@ def merge(acc: BlockResult | None, new: BlockResult) -> BlockResult:
 
 def block_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-    lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Gradients (fp32) of one block for q, k, v, given the rows' final ``lse``, ``dout`` and
+    """Gradients (fp32) of one block for q, k, v, given the rows' final ``out``, ``lse``, ``dout`` and
     ``delta = rowsum(dout * out)`` (the softmax backward's correction, the same for every block of a row)."""
+    if _fused(q):
+        grads = _CPU_FLASH_BACKWARD(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, False,
+                                    attn_mask=_bias(mask, q.dtype), scale=scale)  # fmt: skip
+        return grads[0].float(), grads[1].float(), grads[2].float()
     p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta.unsqueeze(-1))
