@@ -102,12 +102,12 @@ def _scatter_sorted(grad: torch.Tensor, cp: CpGroup) -> torch.Tensor:
     return mine
 
 
-def _visible(cp: CpGroup, slot: int, n: int, groups: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """For a local query chunk: how many leading keys of the sorted sequence it sees, and the mask over them."""
+def _spans(cp: CpGroup, slot: int, n: int, diagonal: torch.Tensor) -> list[tuple[slice, torch.Tensor | None]]:
+    """For a local query chunk: the stretches of the sorted keys it sees, each with its mask (None: all of it):
+    every earlier chunk whole, then its own chunk causally."""
     chunk = chunk_indices(cp.size, cp.rank)[slot]
-    keys = (chunk + 1) * n
-    q_pos = torch.arange(chunk * n, keys, device=device)
-    return keys, blocks.causal_mask(q_pos, torch.arange(keys, device=device), groups)
+    spans: list[tuple[slice, torch.Tensor | None]] = [(slice(0, chunk * n), None)] if chunk else []
+    return spans + [(slice(chunk * n, (chunk + 1) * n), diagonal)]
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -115,12 +115,14 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, cp):  # type: ignore[override]
         kv = _gather_sorted(torch.stack([k, v]), cp)
         groups, n = q.shape[1] // k.shape[1], q.shape[2] // 2
+        diagonal = _diagonal_mask(n, groups, q.device)
         outs, lses = [], []
         for slot, qs in enumerate(_slots(q, k.shape[1])):
-            keys, mask = _visible(cp, slot, n, groups, q.device)
-            out, lse = blocks.block_forward(qs, kv[0, :, :, :keys], kv[1, :, :, :keys], scale, mask)
-            outs.append(out)
-            lses.append(lse)
+            acc: blocks.BlockResult | None = None
+            for keys, mask in _spans(cp, slot, n, diagonal):
+                acc = blocks.merge(acc, blocks.block_forward(qs, kv[0, :, :, keys], kv[1, :, :, keys], scale, mask))
+            outs.append(acc[0])  # type: ignore[index]
+            lses.append(acc[1])  # type: ignore[index]
         ctx.save_for_backward(q, k, v, torch.stack(outs), torch.stack(lses))
         ctx.scale, ctx.cp = scale, cp
         return _join(outs, q.shape[1], q.dtype)
@@ -132,16 +134,19 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _gather_sorted(torch.stack([k, v]), cp)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         groups, n = q.shape[1] // k.shape[1], q.shape[2] // 2
+        diagonal = _diagonal_mask(n, groups, q.device)
         dqs = []
         for slot, (qs, dos) in enumerate(zip(_slots(q, k.shape[1]), _slots(dout, k.shape[1]))):
-            keys, mask = _visible(cp, slot, n, groups, q.device)
             dos = dos.float()
             delta = (dos * outs[slot]).sum(-1)
-            dq, dk, dv = blocks.block_backward(qs, kv[0, :, :, :keys], kv[1, :, :, :keys], scale, mask,
-                                               outs[slot], lses[slot], dos, delta)  # fmt: skip
-            dkv[0, :, :, :keys] += dk
-            dkv[1, :, :, :keys] += dv
-            dqs.append(dq)
+            dq_sum = torch.zeros_like(outs[slot])
+            for keys, mask in _spans(cp, slot, n, diagonal):
+                dq, dk, dv = blocks.block_backward(qs, kv[0, :, :, keys], kv[1, :, :, keys], scale, mask,
+                                                   outs[slot], lses[slot], dos, delta)  # fmt: skip
+                dkv[0, :, :, keys] += dk
+                dkv[1, :, :, keys] += dv
+                dq_sum += dq
+            dqs.append(dq_sum)
         mine = _scatter_sorted(dkv, cp)
         return _join(dqs, q.shape[1], q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 
