@@ -30,7 +30,8 @@ _ROWS: list[tuple[str, list[_Row]]] = [
         ("is_initialized", _S, "", ""),
         ("transform", _P, "Tensor parallelism on DTensor for GPT-NeoX, Llama 2/3 (llama3 rope scaling) and Mistral, "
          "Hugging Face names kept (a full save is a Hugging Face checkpoint); load_state_dict_from_rank0. "
-         + _CP + " " + _ISSUE_35, "Other models: one SMPUnsupportedError naming the supported ones; use them at tp 1 without "
+         + _CP + " " + _ISSUE_35,
+         "Other models: one SMPUnsupportedError naming the supported ones; use them at tp 1 without "
          "transform, or port the model."),
         ("delayed_param.DelayedParamIniter", _S, "Hugging Face's initialization per FSDP unit, then re-tying.", ""),
         ("grad_norm.clip_grad_norm_", _S, "The global norm over shards and tensor-parallel pieces, as one-process "

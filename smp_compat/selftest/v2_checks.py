@@ -138,12 +138,17 @@ def context_parallel(ctx: Context, inj: Injector) -> Result:
     import dataclasses
 
     _require(ctx, 2, "context parallelism (context_parallel_degree 2)")
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+    except ImportError:
+        raise Skipped("context parallelism needs Hugging Face's AttentionInterface (transformers >= 4.48)") from None
     base = llama_recipe()
 
     def longer(n: int) -> list[tuple[torch.Tensor, ...]]:
         return [(torch.cat([ids, ids.flip(1)[:, :2]], dim=1),) for (ids,) in base.batches(n)]
 
-    return _run(ctx, {"hybrid_shard_degree": 2, "context_parallel_degree": 2}, dataclasses.replace(base, batches=longer))
+    params = {"hybrid_shard_degree": 2, "context_parallel_degree": 2}
+    return _run(ctx, params, dataclasses.replace(base, batches=longer))
 
 
 def user_config(ctx: Context, inj: Injector) -> Result:

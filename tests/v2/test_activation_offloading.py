@@ -2,10 +2,10 @@
 
 AWS's train_lib.py applies torch's ``offload_wrapper`` (``save_on_cpu(pin_memory=True)`` around the whole
 forward) when ``tsm.state.sm_activation_offloading`` is true, after REENTRANT activation checkpointing of the
-decoder layers. Here, through tsm.init, tsm.transform (cp 2, p2p) and the FSDP façade: offloading on and off give
-bit-identical losses and weights, and a probe on the offloading hook shows what leaves the device: every tensor
-saved for backward in the forward is packed into a separate host copy, and with checkpointing those are the
-checkpointed layers' inputs plus the unwrapped modules' activations. On CPU the host copy is not a saving (the
+decoder layers. Here, through tsm.init, tsm.transform and the FSDP façade (hybrid_shard_degree 2): offloading
+on and off give bit-identical losses and weights, and a probe on the offloading hook shows what leaves the
+device: every tensor saved for backward in the forward is packed into a separate host copy, and with
+checkpointing those are the checkpointed layers' inputs plus the unwrapped modules' activations. On CPU the host copy is not a saving (the
 "device" is the host); the drop in accelerator memory needs a GPU run (docs/benchmarks.md).
 """
 
@@ -23,12 +23,11 @@ from smp_compat.testing import run_ranks
 
 pytestmark = pytest.mark.hf
 
-DEGREES = {"hybrid_shard_degree": 2, "context_parallel_degree": 2, "activation_loading_horizon": 3}
+DEGREES = {"hybrid_shard_degree": 2, "activation_loading_horizon": 3}
 
 
 def _train(offload: bool, packed: list[tuple[int, bool, bool]]) -> dict[str, Any]:
     import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ckpt
-    from smp_compat.v2.context_parallel import split_for_cp_rank
     from smp_compat.v2.state import reset
 
     import smp_compat.v2  # noqa: F401
@@ -45,7 +44,7 @@ def _train(offload: bool, packed: list[tuple[int, bool, bool]]) -> dict[str, Any
     losses = []
     for step in range(3):
         opt.zero_grad(set_to_none=True)
-        ids = split_for_cp_rank(fsdp_job.batch(step, tsm.state.dp_rank), tsm.state.cp_size, tsm.state.cp_rank)
+        ids = fsdp_job.batch(step, tsm.state.dp_rank)
         packed.clear()
         loss = model(input_ids=ids, attention_mask=None, labels=ids)["loss"]
         loss.backward()
@@ -92,7 +91,7 @@ def test_offloading_on_and_off_train_identically_and_saved_activations_go_to_hos
         assert off["packed"] == [], f"rank {rank}: nothing is offloaded without the wrapper"
         assert on["packed"] and all(host and not shared for _, host, shared in on["packed"]), f"rank {rank}"
     assert fsdp_job.max_diff(results[0]["on"]["params"], results[0]["off"]["params"]) == 0.0
-    # with REENTRANT checkpointing the 2 decoder layers keep only their input (B x S/cp x hidden fp32 = 1 KiB);
+    # with REENTRANT checkpointing the 2 decoder layers keep only their input (B x S x hidden fp32 = 4 KiB);
     # the rest is the unwrapped embeddings, final norm, head and loss
-    layer_input = fsdp_job.BATCH * (fsdp_job.SEQ // 2) * 32 * 4
+    layer_input = fsdp_job.BATCH * fsdp_job.SEQ * 32 * 4
     assert sum(1 for size, _, _ in results[0]["on"]["packed"] if size == layer_input) >= 2

@@ -96,7 +96,8 @@ def _scatter_sorted(grad: torch.Tensor, cp: CpGroup) -> torch.Tensor:
     ordered = grad.view(two, b, h, 2 * cp.size, n, d).permute(3, 0, 1, 2, 4, 5)
     chunks = torch.empty_like(ordered)
     chunks[_order(cp.size, grad.device)] = ordered
-    per_rank = chunks.view(cp.size, 2, two, b, h, n, d).permute(0, 2, 3, 4, 1, 5, 6).reshape(cp.size, two, b, h, 2 * n, d)
+    per_rank = chunks.view(cp.size, 2, two, b, h, n, d).permute(0, 2, 3, 4, 1, 5, 6)
+    per_rank = per_rank.reshape(cp.size, two, b, h, 2 * n, d)
     mine = torch.empty((two, b, h, 2 * n, d), dtype=grad.dtype, device=grad.device)
     _reduce_scatter(mine, per_rank.reshape(cp.size * two, b, h, 2 * n, d), group=cp.group)
     return mine
