@@ -38,7 +38,9 @@ def clip_grad_norm_(
     pieces = [_local_piece(g, world) for g in grads]
     total = _global_norm(pieces, p, grads[0].device if grads else torch.device("cpu"))
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped.")
+        raise RuntimeError(  # torch's own error for error_if_nonfinite
+            f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped."
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if locals_:

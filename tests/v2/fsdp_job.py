@@ -9,8 +9,9 @@ with plain PyTorch on every data-parallel rank's batch (the mean of their losses
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,9 +29,26 @@ def tiny_llama(seed: int = 0, meta: bool = False) -> nn.Module:
                       attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(seed)
     if meta:
-        with torch.device("meta"):
+        with parameters_on_meta():
             return LlamaForCausalLM(cfg)
     return LlamaForCausalLM(cfg)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """What the scripts' ``accelerate.init_empty_weights()`` does: parameters on meta, buffers real."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def decoder_layer() -> type:
@@ -60,6 +78,7 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
 
 
+@functools.cache
 def reference_training(dp: int, steps: int = STEPS) -> tuple[list[float], dict]:
     """One process: each step the mean loss over the ``dp`` ranks' batches, global-norm clipping, AdamW."""
     model = tiny_llama()
@@ -75,8 +94,11 @@ def reference_training(dp: int, steps: int = STEPS) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def reference_training_16(dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS,
-                          make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> tuple[list[float], dict]:
+@functools.cache
+def reference_training_16(
+    dp: int, shard: int, dtype: torch.dtype, steps: int = STEPS,
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+) -> tuple[list[float], dict]:  # fmt: skip
     """One process doing what MixedPrecision(dtype, dtype, fp32 buffers) does: fp32 masters and optimizer,
     forward and backward in ``dtype`` per data-parallel rank, gradients summed in ``dtype`` within each shard
     group, then across replicas (HSDP's reduce-scatter, then all-reduce), divided by ``dp``, then fp32."""

@@ -8,7 +8,6 @@ replica all-reduce, as stock FSDP1 at hybrid shard 1) moves the weights by ~1e-2
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import fsdp_job
@@ -24,25 +23,22 @@ TOL = 1e-5
 
 # (world, hybrid_shard_degree, script's sharding_strategy, LOCAL_WORLD_SIZE) -> (group size, shards, strategy)
 LAYOUTS = {
-    "hsd2-world2": ((2, 2, "hybrid_shard", 2), (2, 2, "HYBRID_SHARD")),
+    "hsd2-world2-cpu_offload": ((2, 2, "hybrid_shard", 2), (2, 2, "HYBRID_SHARD")),
     "hsd2x2rep-world4": ((4, 2, "full_shard", 4), (2, 2, "HYBRID_SHARD")),
-    "hsd1-world2": ((2, 1, "hybrid_shard", 2), (2, 1, "NO_SHARD")),
     "hsd1-world4": ((4, 1, "full_shard", 4), (4, 1, "NO_SHARD")),
     "hsd0-full-world4": ((4, 0, "full_shard", 4), (4, 4, "FULL_SHARD")),
     "hsd0-hybrid-node2-world4": ((4, 0, "hybrid_shard", 2), (2, 2, "HYBRID_SHARD")),
 }
 
 
-@functools.cache
-def _reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    return fsdp_job.reference_training(dp)
-
-
-def _job(h: int, strategy: str, local_world: int) -> dict[str, Any]:
-    import torch.sagemaker as tsm
+def _job(h: int, strategy: str, local_world: int, offload: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffload
 
     fsdp_job.init_v2(h, local_world_size=local_world)
-    model = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama(), strategy=strategy)
+    import torch.sagemaker as tsm
+
+    extra = {"cpu_offload": CPUOffload(offload_params=True)} if offload else {}  # on CPU: where they are already
+    model = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama(), strategy=strategy, **extra)
     opt = fsdp_job.adamw(model)
     losses = fsdp_job.train_steps(model, opt, dist.get_rank(), range(fsdp_job.STEPS))
     inner = model._checkpoint_wrapped_module
@@ -59,8 +55,8 @@ def _job(h: int, strategy: str, local_world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name: str) -> None:
     (world, h, strategy, local_world), expected = LAYOUTS[name]
-    results = run_ranks(_job, world, h, strategy, local_world, timeout=240)
-    ref_losses, ref_params = _reference(world)
+    results = run_ranks(_job, world, h, strategy, local_world, "cpu_offload" in name, timeout=240)
+    ref_losses, ref_params = fsdp_job.reference_training(world)
     for r, res in enumerate(results):
         assert res["layout"] == expected, f"rank {r}"
         assert res["rank"][0] == res["rank"][1], f"rank {r}: model.rank is not its rank in model.process_group"

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.hf
 
 
 def _materialized(seed: int) -> nn.Module:
-    """A meta Llama materialized module by module (breadth first, as FSDP1 and the façade call it)."""
+    """A Llama built with its parameters on meta, materialized module by module (breadth first, as FSDP1 calls it)."""
     model = fsdp_job.tiny_llama(meta=True)
     initer = DelayedParamIniter(model)
     torch.manual_seed(seed)
@@ -50,14 +50,14 @@ def test_delayed_init_uses_hf_init_and_is_deterministic() -> None:
             assert torch.equal(value, built[name]), name  # HF fixes them: ones
         else:
             assert abs(value.std().item() - std) < 0.25 * std, name  # normal(0, initializer_range)
-    rotary = model.model.rotary_emb
-    assert torch.equal(rotary.inv_freq, fsdp_job.tiny_llama().model.rotary_emb.inv_freq)
+    cpu_buffers = dict(fsdp_job.tiny_llama().named_buffers())  # rotary frequencies (per model or per layer)
+    assert cpu_buffers and all(torch.equal(b, cpu_buffers[n]) for n, b in model.named_buffers())
     assert DelayedParamIniter(model).count_num_params() == sum(p.numel() for p in built.values())
 
 
 def test_validate_names_what_is_still_on_meta() -> None:
     model = fsdp_job.tiny_llama(meta=True)
-    with pytest.raises(UninitializedStateError, match=r"23 parameters.*model\.embed_tokens\.weight"):
+    with pytest.raises(UninitializedStateError, match=r"still on the meta device.*model\.embed_tokens\.weight"):
         with DelayedParamIniter(model).validate_params_and_buffers_inited():
             pass
 
@@ -111,6 +111,19 @@ def _refusals() -> list[str]:
     return errors
 
 
+def _lambda_policy_units() -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    from smp_compat.v2.fsdp import facade_state
+
+    fsdp_job.init_v2(1)
+    layer = fsdp_job.decoder_layer()
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, layer))
+    model = FSDP(fsdp_job.tiny_llama(), auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    return [type(u).__name__ for u in facade_state(model).units]
+
+
 def _stock_before_init() -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -128,6 +141,7 @@ def test_refusals_name_the_feature_and_stock_fsdp_before_init() -> None:
     assert "process_group" in errors[1] and "hybrid_shard_degree" in errors[1]
     assert "summon_full_params" in errors[2] and "FULL_STATE_DICT" in errors[2]
     assert run_ranks(_stock_before_init, 2, timeout=120) == ["FullyShardedDataParallel"] * 2
+    assert run_ranks(_lambda_policy_units, 1, timeout=120)[0] == ["FSDPLlamaDecoderLayer"] * 2
 
 
 def _accumulate() -> float:

@@ -4,7 +4,8 @@ One world-4 job: train 3 steps at hybrid shard 2 x 2 replicas; the scripts' shar
 ``FSDP.optim_state_dict``, DCP over ``model.process_group`` from replica 0); a new job at hybrid shard 1 loads
 it as ``_load_sharded`` does (``load_sharded_optimizer_state_dict``, ``FSDP.optim_state_dict_to_load``,
 ``optimizer.load_state_dict``): parameters and Adam state equal bit for bit, and one more step equals the
-first job's. Then LOCAL_STATE_DICT and FULL_STATE_DICT round trips into fresh models, bit for bit.
+first job's. Then LOCAL_STATE_DICT and FULL_STATE_DICT round trips into fresh models (the full one with
+the optimizer state as plain tensors), bit for bit.
 """
 
 from __future__ import annotations
@@ -78,6 +79,23 @@ def _round_trip(kind: Any, source: Any, seed: int, **cfg: Any) -> dict[str, torc
     return fsdp_job.full_params(target)
 
 
+def _full_optimizer_round_trip(model: Any, opt: Any) -> tuple[set[type], float]:
+    """FULL_STATE_DICT optimizer state (plain tensors on every rank) loaded into a fresh model's optimizer."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.api import FullOptimStateDictConfig
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=FullOptimStateDictConfig()):
+        osd, msd = FSDP.optim_state_dict(model, opt), model.state_dict()
+    target = fsdp_job.wrap_as_scripts(fsdp_job.tiny_llama(seed=13))
+    target_opt = fsdp_job.adamw(target)
+    with FSDP.state_dict_type(target, StateDictType.FULL_STATE_DICT):
+        target.load_state_dict(msd)
+        target_opt.load_state_dict(FSDP.optim_state_dict_to_load(target, target_opt, osd))
+    kinds = {type(v) for entries in osd["state"].values() for v in entries.values()}
+    return kinds, fsdp_job.max_diff(_optimizer_state(opt), _optimizer_state(target_opt))
+
+
 def _job(path: str) -> dict[str, Any]:
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -104,6 +122,7 @@ def _job(path: str) -> dict[str, Any]:
     out["full"] = _round_trip(StateDictType.FULL_STATE_DICT, resumed, seed=11, state_dict_config=full_cfg)
     with FSDP.state_dict_type(resumed, StateDictType.LOCAL_STATE_DICT):
         out["local_types"] = {type(v) for v in resumed.state_dict().values()}
+    out["full_optimizer"] = _full_optimizer_round_trip(resumed, opt2)
     if dist.get_rank() == 0:
         current = fsdp_job.full_params(resumed)
         out.update(before=before, loaded=loaded, before_opt=before_opt, loaded_opt=loaded_opt, after=after,
@@ -126,3 +145,4 @@ def test_sharded_save_resumes_at_another_degree_and_local_full_round_trip(tmp_pa
     assert fsdp_job.max_diff(r0["after"], r0["current"]) < 1e-6
     for kind in ("local", "full"):
         assert fsdp_job.max_diff(results[0][kind], r0["current"]) == 0.0, kind
+    assert all(r["full_optimizer"] == ({torch.Tensor}, 0.0) for r in results)

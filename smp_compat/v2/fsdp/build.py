@@ -15,7 +15,7 @@ import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import StateDictType
 from torch.distributed.fsdp.api import OptimStateDictConfig, StateDictConfig
+from torch.distributed.tensor import DTensor
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.v2.fsdp import broadcast, policies
@@ -32,11 +33,13 @@ from smp_compat.v2.fsdp.layout import FsdpLayout, resolve
 
 __all__ = ["FacadeState", "build", "facade_state"]
 
-_ACCEPTED = {
+_POSITIONAL = (
     "process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy", "backward_prefetch", "mixed_precision",
     "ignored_modules", "param_init_fn", "device_id", "sync_module_states", "forward_prefetch", "limit_all_gathers",
-    "use_orig_params", "ignored_states", "device_mesh", "post_param_init_fn",
-}  # fmt: skip
+    "use_orig_params", "ignored_states", "device_mesh",
+)  # fmt: skip
+"""FSDP1's parameters after ``module``, in its order (torch 2.13)."""
+_ACCEPTED = {*_POSITIONAL, "post_param_init_fn"}
 
 
 @dataclass
@@ -49,7 +52,6 @@ class FacadeState:
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT  # FSDP1's default
     state_dict_config: StateDictConfig | None = None
     optim_state_dict_config: OptimStateDictConfig | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def facade_state(module: nn.Module) -> FacadeState | None:
@@ -62,8 +64,7 @@ def build(ctx: Context, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Modu
     kw = _keywords(args, kwargs)
     _refuse(kw)
     layout = resolve(ctx, kw.get("sharding_strategy"))
-    if ctx.report_resolved is not None:
-        ctx.report_resolved(layout.group_size)
+    ctx.report_resolved(layout.group_size)
     device = _device(ctx, kw.get("device_id"))
     units = policies.units(module, kw.get("auto_wrap_policy"))
     mp = kw.get("mixed_precision")
@@ -76,6 +77,7 @@ def build(ctx: Context, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Modu
         if post_fn is not None:
             post_fn(unit)
         _cast_buffers(own, mp)
+        _to_device(own, device)
         if kw.get("sync_module_states"):
             broadcast.sync_from_source(ctx, layout, own)
         done.update(id(m) for m in own)
@@ -89,10 +91,9 @@ def build(ctx: Context, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Modu
 
 
 def _keywords(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ["process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy", "backward_prefetch",
-             "mixed_precision", "ignored_modules", "param_init_fn", "device_id", "sync_module_states",
-             "forward_prefetch", "limit_all_gathers", "use_orig_params", "ignored_states", "device_mesh"]  # fmt: skip
-    kw = dict(zip(names, args))
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"FullyShardedDataParallel() takes at most {len(_POSITIONAL) + 1} positional arguments")
+    kw = dict(zip(_POSITIONAL, args))
     unknown = set(kwargs) - _ACCEPTED
     if unknown:
         raise TypeError(f"FullyShardedDataParallel() got unexpected keyword argument(s) {sorted(unknown)}")
@@ -130,8 +131,8 @@ def _fully_shard_options(layout: FsdpLayout, mp: MixedPrecision | None, offload:
     if mp is not None:
         policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
     options: dict[str, Any] = {"mesh": layout.mesh, "mp_policy": policy}
-    if offload is not None and offload.offload_params:
-        options["offload_policy"] = CPUOffloadPolicy()
+    if offload is not None and offload.offload_params and layout.mesh.device_type != "cpu":
+        options["offload_policy"] = CPUOffloadPolicy()  # on a CPU job the parameters already live there
     return options
 
 
@@ -165,6 +166,20 @@ def _materialize(modules: list[nn.Module], device: torch.device, init_fn: Callab
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
                 reset()
+
+
+def _to_device(modules: list[nn.Module], device: torch.device) -> None:
+    """FSDP1 moves each unit to ``device_id`` before syncing it (NCCL broadcasts GPU tensors only)."""
+    if device.type == "cpu":
+        return
+    with torch.no_grad():
+        for m in modules:
+            for p in m._parameters.values():
+                if p is not None and p.device != device and not isinstance(p, DTensor):
+                    p.data = p.data.to(device)
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
 
 
 def _cast_buffers(modules: list[nn.Module], mp: MixedPrecision | None) -> None:

@@ -22,10 +22,10 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from smp_compat.errors import SMPConfigError, SMPUnsupportedError
 from smp_compat.v2.fsdp.context import Context
+from smp_compat.v2.layout import resolve_shard_degree
 
 __all__ = ["FsdpLayout", "resolve"]
 
-_FULL = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _NO_RESHARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.NO_SHARD)
 
@@ -49,21 +49,17 @@ class FsdpLayout:
 def resolve(ctx: Context, strategy: ShardingStrategy | None) -> FsdpLayout:
     """Apply SMP's rules to the script's strategy (FSDP1's default: FULL_SHARD)."""
     strategy = ShardingStrategy.FULL_SHARD if strategy is None else strategy
-    dp = ctx.mesh.size() // ctx.tp_size  # data-parallel ranks incl. context-parallel ones
+    world = ctx.mesh.size()
+    dp = world // ctx.tp_size  # data-parallel ranks incl. context-parallel ones
     h = ctx.hybrid_shard_degree
-    if h >= 2:
-        shard = h
-        if strategy not in _HYBRID:
-            strategy = ShardingStrategy.HYBRID_SHARD
-    elif h == 1:
-        shard, strategy = 1, ShardingStrategy.NO_SHARD
-    elif strategy is ShardingStrategy.NO_SHARD:
-        shard = 1
-    elif ctx.tp_size > 1 or strategy in _FULL:
-        shard = dp
-    else:
-        shard = min(ctx.local_world_size, dp)
-    if shard < 1 or dp % shard:
+    shard = resolve_shard_degree(h, world, ctx.tp_size, ctx.local_world_size, strategy)
+    if shard == 1:
+        strategy = ShardingStrategy.NO_SHARD
+    elif h >= 2 and strategy not in _HYBRID:
+        strategy = ShardingStrategy.HYBRID_SHARD
+    elif strategy is ShardingStrategy.NO_SHARD:  # hybrid_shard_degree 0 with tp: SMP shards over every dp rank
+        strategy = ShardingStrategy.FULL_SHARD
+    if dp % shard:
         raise SMPConfigError(
             f"FSDP shard group of {shard} ranks does not divide the {dp} data-parallel ranks "
             f"(hybrid_shard_degree={h}, sharding_strategy={strategy.name}, LOCAL_WORLD_SIZE={ctx.local_world_size})."
