@@ -12,7 +12,8 @@ the same ranks, in the same run, in alternating rounds (so machine drift hits bo
   on each decoder layer then the root over its (rep, shard) slice, and a hand-written global gradient norm
   (each DTensor piece counted once).
 
-Figures of merit: median over rounds of time(plain) / time(tsm), target >= 0.95; per-rank state bytes
+Figures of merit: median over rounds of time(plain) / time(tsm), target >= 0.95 (also printed: the CPU seconds
+each variant's step costs on all ranks together, which a loaded machine disturbs far less); per-rank state bytes
 (local parameters, gradients, AdamW state) of tsm / plain, and with ``--rss`` the peak resident set each
 variant adds when it runs alone in fresh ranks, both targets within 5 %. Exit status 1 when a target is
 missed. Do not read timings taken on a loaded machine.
@@ -181,17 +182,19 @@ def run_variants(ns: argparse.Namespace) -> dict[str, Any]:
         fns[name] = _stepper(*build(ns, tsm), ids.to(_device(tsm)))
     first = {name: [fn() for _ in range(ns.warmup)] for name, fn in fns.items()}
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(ns.rounds):
         for name in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(ns.steps):
                 fns[name]()
             if _device(tsm).type == "cuda":
                 torch.cuda.synchronize()
             times[name].append((time.perf_counter() - start) / ns.steps)
+            cpu[name].append((time.process_time() - start_cpu) / ns.steps)
     state = {name: _state_bytes(fn.optimizer) for name, fn in fns.items()}  # type: ignore[attr-defined]
-    return {"times": times, "first_losses": first, "state": state}
+    return {"times": times, "cpu": cpu, "first_losses": first, "state": state}
 
 
 def measure_rss(ns: argparse.Namespace, variant: str) -> int:
@@ -247,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     print(f"first losses (rank 0): {ranks[0]['first_losses']}")
     print(f"tsm / plain throughput (median of per-round ratios): {ratio:.3f} (target >= 0.95)")
+    cpu = {name: statistics.median(sum(r["cpu"][name][i] for r in ranks) for i in range(ns.rounds))
+           for name in VARIANTS}  # fmt: skip
+    print(f"CPU seconds per step, all ranks (median over rounds; robust to a loaded machine): "
+          f"tsm {cpu['tsm']:.3f}, plain {cpu['plain']:.3f}, plain / tsm {cpu['plain'] / cpu['tsm']:.3f}")
     print(f"tsm / plain per-rank state bytes: {', '.join(f'{s:.4f}' for s in state)} (target within 5 %)")
     ok = ratio >= 0.95 and all(abs(s - 1) <= 0.05 for s in state)
     rss: dict[str, list[int]] = {}
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and all(abs(x - 1) <= 0.05 for x in ratios)
     if ns.json:
         with open(ns.json, "w", encoding="utf-8") as handle:
-            json.dump({"args": vars(ns), "per_round": per_round, "ratio": ratio, "state": state, "rss": rss,
+            json.dump({"args": vars(ns), "per_round": per_round, "ratio": ratio, "cpu": cpu, "state": state, "rss": rss,
                        "first_losses": ranks[0]["first_losses"]}, handle, indent=2)  # fmt: skip
     return 0 if ok else 1
 

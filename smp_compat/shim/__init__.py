@@ -50,10 +50,20 @@ def install() -> None:
     Safe to call twice. Submodules map too: ``smdistributed.modelparallel.torch.stepping.step`` is ``smp_compat.stepping.step``.
     """
     _check_no_real_smp()
+    _drop_v2_standin()
     install_finder()
     if SITE_DIR not in sys.path:
         sys.path.insert(0, SITE_DIR)
     importlib.invalidate_caches()
+
+
+def _drop_v2_standin() -> None:
+    """``smdistributed`` imported earlier in this process as SMP v2's stand-in (smp_compat.v2's finder serves it
+    for SMDDP's ``smdistributed.dataparallel`` where no ``smdistributed`` exists; it has no ``modelparallel``)
+    gives way to the shim's package; its ``dataparallel`` is served again under the shim's."""
+    for name in [n for n in sys.modules if n == "smdistributed" or n.startswith("smdistributed.")]:
+        if getattr(sys.modules[name], "__name__", "").startswith(TARGET + ".v2."):
+            del sys.modules[name]
 
 
 def uninstall() -> None:

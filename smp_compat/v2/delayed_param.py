@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from smp_compat.errors import SMPConfigError, SMPError
+from smp_compat.v2.tensor_parallel.materialize import whole_during_init
 
 __all__ = ["DelayedParamIniter", "UninitializedStateError"]
 
@@ -48,9 +49,10 @@ class DelayedParamIniter:
         def param_init_fn(module: nn.Module) -> None:
             if not _has_meta(module):
                 return
-            _materialize(module, _device())
-            self._init(module)
-            _complete(module)
+            with whole_during_init(module, _device()):  # tp pieces: initialized whole, then cut
+                _materialize(module, _device())
+                self._init(module)
+                _complete(module)
             if self.verbose:
                 print(f"DelayedParamIniter: initialized {type(module).__name__}")
 

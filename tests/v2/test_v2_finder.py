@@ -44,10 +44,17 @@ def test_torch_sagemaker_and_its_submodules_are_smp_compat_v2s_modules() -> None
         import torch.distributed as dist
         tsm.init()  # no process group and no launcher variables: tsm.init starts a world of one
         print(dist.get_world_size(), dist.get_backend(), tsm.state.device_mesh.mesh.shape[0])
+        import smdistributed  # no smdistributed anywhere: SMP v2's stand-in (for SMDDP) ...
+        before = smdistributed.__name__
+        from smp_compat import shim
+        shim.install()  # ... gives way to the SMP v1 shim's
+        import smdistributed.modelparallel.torch as smp
+        import smdistributed.dataparallel.torch.torch_smddp
+        print(before, smdistributed.__name__, smp is sys.modules["smp_compat"])
         """
     )
     assert out.splitlines() == ["True True True True True TorchSagemakerFinder", "torch.sagemaker.no_such_module",
-                                "1 gloo 1"]
+                                "1 gloo 1", "smp_compat.v2.standins.smdistributed smdistributed True"]
 
 
 def test_a_real_torch_sagemaker_wins(tmp_path) -> None:

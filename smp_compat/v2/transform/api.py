@@ -70,11 +70,16 @@ def tensor_parallelize(
     counts = check_divisible(family, model.config, mesh.size() if mesh is not None else 1)
     _move(model, device, dtype)
     if mesh is not None:
-        agree_within_tp_group(model, mesh, split_parameter_names(model, family), load_state_dict_from_rank0)
+        split = split_parameter_names(model, family)
+        agree_within_tp_group(model, mesh, split, load_state_dict_from_rank0, _as_device(device))
         split_layers(model, family, mesh, counts)
     for layer in layers:
         mark_transformer_layer(layer)
     return model
+
+
+def _as_device(device: torch.device | str | None) -> torch.device | None:
+    return None if device is None else torch.device(device)
 
 
 def _move(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
@@ -84,7 +89,7 @@ def _move(model: nn.Module, device: torch.device | str | None, dtype: torch.dtyp
             raise SMPConfigError(f"torch.sagemaker.transform: dtype must be a floating-point dtype; got {dtype}")
         model.to(dtype=dtype)
     if device is not None and not any(t.is_meta for t in model.parameters()):
-        model.to(device=torch.device(device))
+        model.to(device=_as_device(device))
 
 
 def _tp_from_state() -> tuple[int, DeviceMesh | None]:

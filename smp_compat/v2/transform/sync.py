@@ -23,12 +23,19 @@ __all__ = ["agree_within_tp_group", "materialize_meta"]
 _META, _REAL = 1, 2
 
 
-def agree_within_tp_group(model: nn.Module, mesh: DeviceMesh, split: set[str], from_rank0: bool = False) -> bool:
+def agree_within_tp_group(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    split: set[str],
+    from_rank0: bool = False,
+    device: torch.device | None = None,
+) -> bool:
     """Give every rank of the tp group its first rank's values of the tensors not in ``split``.
 
     ``split``: names of the parameters ``parallelize_module`` will scatter. Returns False (and does nothing)
     when the whole group is on meta. ``from_rank0``: global rank 0 must hold values (its whole tp group raises
-    otherwise). Collective over the tp group.
+    otherwise). ``device``: where a peer's meta tensors are allocated (the CPU by default, as the scripts build
+    models). Collective over the tp group.
     """
     group = mesh.get_group()
     comm = _comm_device(mesh)
@@ -52,8 +59,8 @@ def agree_within_tp_group(model: nn.Module, mesh: DeviceMesh, split: set[str], f
             "first rank must hold the weights (as rank 0 does under load_state_dict_from_rank0=True), or all "
             "of its ranks must be on meta."
         )
-    materialize_meta(model, torch.device("cpu"))
-    for name, tensor in _whole_tensors(model, split):
+    materialize_meta(model, device or torch.device("cpu"))
+    for _, tensor in _whole_tensors(model, split):
         _broadcast(tensor, source, group, comm)
     return True
 
