@@ -67,7 +67,7 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert env["backend"] == "gloo" and "no GPU" in env["backend_reason"] and len(env["hosts"]) == 1
     assert env["shim"] == "smdistributed.modelparallel.torch -> smp_compat"
     assert [r["device"] for r in env["ranks"]] == ["cpu", "cpu"]
-    assert "smp-compat selftest" in output and "14 passed, 0 failed, 2 skipped" in output
+    assert "smp-compat selftest" in output and "15 passed, 0 failed, 2 skipped" in output
 
 
 def test_four_ranks_pass(tmp_path: Path) -> None:
