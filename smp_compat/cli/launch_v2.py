@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from smp_compat.errors import SMPConfigError
-from smp_compat.v2.config import SMPv2Config, check_supported, resolve_v2_config
+from smp_compat.v2.config import SMPv2Config, resolve_v2_config
 from smp_compat.v2.layout import Layout, resolve_shard_degree
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ class V2Launch:
                 f"{exc}\n(From {launch.source}. Its keys override those of the script's tsm.init argument, as on "
                 "SageMaker.)"
             ) from None
-        check_supported(config)
         return cls(launch, config)
 
     def exported_parameters(self) -> dict[str, Any] | None:

@@ -18,7 +18,9 @@ __all__ = ["API_V2", "API_V2_SECTIONS", "CONFIG_V2", "lookup_api_v2"]
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
 _Row = tuple  # (name, status, note, action[, group])
 _IMPORT_ONLY = "Importable for the scripts' import lines; dead code on transformers >= 4.37.1 (AWS's create_model)."
-_ISSUE_35 = "Context and expert parallelism are refused by name until they are implemented (issue 35)."
+_CP = ("Context parallelism (cp_comm_type p2p or all_gather) for the same models: the scripts' head/tail chunks, "
+       "true positions, causal attention over the whole sequence, the loss shifted in the whole sequence; no "
+       "sliding window, padding mask or attention dropout.")
 
 _ROWS: list[tuple[str, list[_Row]]] = [
     ("Initialization, transform, parameters, clipping", [
@@ -27,7 +29,8 @@ _ROWS: list[tuple[str, list[_Row]]] = [
         ("is_initialized", _S, "", ""),
         ("transform", _P, "Tensor parallelism on DTensor for GPT-NeoX, Llama 2/3 (llama3 rope scaling) and Mistral, "
          "Hugging Face names kept (a full save is a Hugging Face checkpoint); load_state_dict_from_rank0. "
-         + _ISSUE_35, "Other models: one SMPUnsupportedError naming the supported ones; use them at tp 1 without "
+         + _CP + " Mixtral with expert parallelism: config=MoEConfig(...).",
+         "Other models: one SMPUnsupportedError naming the supported ones; use them at tp 1 without "
          "transform, or port the model."),
         ("delayed_param.DelayedParamIniter", _S, "Hugging Face's initialization per FSDP unit, then re-tying.", ""),
         ("grad_norm.clip_grad_norm_", _S, "The global norm over shards and tensor-parallel pieces, as one-process "
@@ -85,7 +88,7 @@ _ROWS: list[tuple[str, list[_Row]]] = [
 _STATE_ROWS: list[_Row] = [
     *[(f"state.{key}", _S, "Writable before tsm.init(); init keeps a written value where the config does not set "
        "the key.", "") for key in ("tensor_parallel_degree", "tp_size", "hybrid_shard_degree")],
-    *[(f"state.{key}", _P, "Reads 1 (writable before init). " + _ISSUE_35, "")
+    *[(f"state.{key}", _S, "Writable before tsm.init(); the cp degree of the job after it.", "")
       for key in ("context_parallel_degree", "cp_size")],
     *[(f"state.{key}", _S, "Writable before tsm.init(); ep_rank = dp_rank % ep.", "")
       for key in ("expert_parallel_degree", "ep_size")],
@@ -104,7 +107,7 @@ _CONFIG_NOTES: dict[str, tuple[Status, str, str]] = {
     "activation_loading_horizon": (_P, "Accepted; a prefetch depth with no effect here (speed only).", ""),
     "fsdp_cache_flush_warnings": (_P, "Accepted; no allocator-flush warning is printed.", ""),
     "allow_empty_shards": (_S, "FSDP2 shards uneven tensors (empty shards included) either way.", ""),
-    "context_parallel_degree": (_U, _ISSUE_35, "Set it to 1."),
+    "context_parallel_degree": (_S, "Through tsm.transform(model, cp_comm_type=...): " + _CP, ""),
     "expert_parallel_degree": (_P, "Mixtral through transform(config=MoEConfig(...)); must divide the FSDP "
                                "shard group (hybrid_shard_degree >= 2), not with tensor parallelism.", ""),
 }

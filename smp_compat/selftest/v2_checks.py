@@ -22,7 +22,7 @@ from smp_compat.selftest.faults import Injector
 from smp_compat.selftest.models import Recipe, llama_recipe
 from smp_compat.selftest.training import Tracker, reference_run
 
-__all__ = ["hybrid_shard", "sharded_resume", "tp_hybrid_shard", "user_config"]
+__all__ = ["context_parallel", "hybrid_shard", "sharded_resume", "tp_hybrid_shard", "user_config"]
 
 SAMPLES_PER_DP_RANK = 2
 
@@ -56,14 +56,14 @@ def _seeded(recipe: Recipe, seed: int) -> nn.Module:
     return recipe.build()
 
 
-def _wrap(tsm: Any, model: nn.Module, device: torch.device) -> nn.Module:
+def _wrap(tsm: Any, model: nn.Module, device: torch.device, cp_comm_type: str = "p2p") -> nn.Module:
     """The scripts' sequence: ``transform``, then ``FullyShardedDataParallel`` wrapping each decoder layer."""
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     from smp_compat.v2.tensor_parallel.transformer import TransformerLayer
 
-    model = tsm.transform(model)
+    model = tsm.transform(model, cp_comm_type=cp_comm_type)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
     return FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                                     use_orig_params=True, device_id=device)  # fmt: skip
@@ -83,29 +83,34 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _train(tsm: Any, recipe: Recipe, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
            steps: range, observe: Callable[[int, float], None]) -> None:  # fmt: skip
-    """AWS's step: this data-parallel rank's samples (tp peers share them), backward, step; the mean loss."""
+    """AWS's step: this data-parallel rank's samples (tp peers share them; cp peers take their head and tail
+    chunks of them), backward, step; the mean loss."""
+    from smp_compat.v2.context_parallel import split_for_cp_rank
+
     state = tsm.state
     data = recipe.batches(SAMPLES_PER_DP_RANK * state.dp_size)
     for index in steps:
         opt.zero_grad(set_to_none=True)
         mine = [t[state.dp_rank * SAMPLES_PER_DP_RANK : (state.dp_rank + 1) * SAMPLES_PER_DP_RANK] for t in data[index]]
+        if state.cp_size > 1:
+            mine = [split_for_cp_rank(t, state.cp_size, state.cp_rank) for t in mine]
         loss = recipe.loss(model, *(t.to(device) for t in mine))
         loss.backward()
         opt.step()
         total = loss.detach().float().reshape(1).cpu() if device.type == "cpu" else loss.detach().float().reshape(1)
-        dist.all_reduce(total)  # tp peers hold the same loss: the mean over the world is the mean over dp ranks
+        dist.all_reduce(total)  # tp peers hold the same loss, cp peers shares of it whose mean is the dp rank's
         observe(index, total.item() / dist.get_world_size())
 
 
 def _layout(tsm: Any) -> str:
     layout = tsm.state.layout
-    parts = [f"tp{layout.tp}"] if layout.tp > 1 else []
+    parts = ([f"tp{layout.tp}"] if layout.tp > 1 else []) + ([f"cp{layout.cp}"] if layout.cp > 1 else [])
     return "×".join([*parts, f"shard{layout.shard}", f"rep{layout.rep}"])
 
 
-def _run(ctx: Context, params: dict[str, Any]) -> Result:
-    recipe, tol = llama_recipe(), ctx.fp32
-    dp = ctx.env.world_size // params.get("tensor_parallel_degree", 1)
+def _run(ctx: Context, params: dict[str, Any], recipe: Recipe | None = None) -> Result:
+    recipe, tol = recipe or llama_recipe(), ctx.fp32
+    dp = ctx.env.world_size // (params.get("tensor_parallel_degree", 1) * params.get("context_parallel_degree", 1))
     tracker = Tracker(reference_run(recipe, SAMPLES_PER_DP_RANK * dp, ctx.device), tol)
     with _v2(params) as tsm:
         model = _wrap(tsm, _seeded(recipe, 0), ctx.device)
@@ -125,6 +130,25 @@ def tp_hybrid_shard(ctx: Context, inj: Injector) -> Result:
     """tensor_parallel_degree 2 × hybrid_shard_degree 2: tsm.transform, then the FSDP call."""
     _require(ctx, 4, "tensor parallelism × hybrid sharding (tp 2 × hybrid_shard_degree 2)")
     return _run(ctx, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+
+
+def context_parallel(ctx: Context, inj: Injector) -> Result:
+    """context_parallel_degree 2 (ring attention) in shard groups of 2: each rank holds the head and tail chunks
+    of its data-parallel rank's sequences (sequences of 8 tokens: two chunks per cp rank)."""
+    import dataclasses
+
+    _require(ctx, 2, "context parallelism (context_parallel_degree 2)")
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+    except ImportError:
+        raise Skipped("context parallelism needs Hugging Face's AttentionInterface (transformers >= 4.48)") from None
+    base = llama_recipe()
+
+    def longer(n: int) -> list[tuple[torch.Tensor, ...]]:
+        return [(torch.cat([ids, ids.flip(1)[:, :2]], dim=1),) for (ids,) in base.batches(n)]
+
+    params = {"hybrid_shard_degree": 2, "context_parallel_degree": 2}
+    return _run(ctx, params, dataclasses.replace(base, batches=longer))
 
 
 def user_config(ctx: Context, inj: Injector) -> Result:

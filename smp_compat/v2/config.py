@@ -20,14 +20,13 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from smp_compat.config.schema import SMP_KEYS as V1_KEYS
 from smp_compat.config.sources import extract_mp_parameters, parse_json
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.errors import SMPConfigError
 
 __all__ = [
     "ENV_VAR",
     "QUIET_V1_KEYS",
     "V2_KEYS",
     "SMPv2Config",
-    "check_supported",
     "resolve_v2_config",
     "world_problems",
 ]
@@ -154,17 +153,6 @@ def world_problems(cfg: SMPv2Config, world_size: int) -> list[str]:
 
 def _divisors(n: int, multiple_of: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and d % multiple_of == 0]
-
-
-def check_supported(cfg: SMPv2Config) -> None:
-    """Refuse what smp_compat does not implement yet (issue 35), after the config itself is valid."""
-    for key, feature in (("context_parallel_degree", "context parallelism"),):  # expert parallelism: moe/
-        value = getattr(cfg, key)
-        if value > 1:
-            raise SMPUnsupportedError(
-                f"{key}={value} asks for SMP v2's {feature}, which smp_compat does not implement yet; set "
-                f'"{key}": 1 (or remove the key) to run without it.'
-            )
 
 
 def resolve_v2_config(

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from smp_compat.errors import SMPConfigError
 from smp_compat.launch import detect_launch
-from smp_compat.v2.config import check_supported, resolve_v2_config
+from smp_compat.v2.config import resolve_v2_config
 from smp_compat.v2.layout import DIMS, Layout, resolve_shard_degree
 from smp_compat.v2.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
 from smp_compat.v2.standins.attention import install_sdpa_fallback
@@ -44,7 +44,6 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> No
     group, the ("rep", "shard", "cp", "tp") device mesh, the replica groups and the RNG tracker; then the
     stand-ins that act on model construction (flash-attention 2 -> sdpa, fp8 off where it cannot run)."""
     cfg = resolve_v2_config(config, written=state.written_before_init())
-    check_supported(cfg)
     if state.initialized:
         if cfg == state.config:
             return

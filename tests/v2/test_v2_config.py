@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
-from smp_compat.v2.config import SMPv2Config, check_supported, resolve_v2_config
+from smp_compat.errors import SMPConfigError
+from smp_compat.v2.config import SMPv2Config, resolve_v2_config
 
 NO_ENV: dict[str, str] = {}
 
@@ -97,8 +97,6 @@ def test_valid_layouts_pass_the_world_rules() -> None:
         SMPv2Config(**params).check_world_size(world)
 
 
-@pytest.mark.parametrize("key", ["context_parallel_degree"])  # expert parallelism: tests/v2/test_moe_ep.py
-def test_context_parallelism_is_refused_by_name_until_issue_35(key: str) -> None:
-    cfg = SMPv2Config(**{key: 2, "hybrid_shard_degree": 2})
-    with pytest.raises(SMPUnsupportedError, match=f"{key}=2 asks for SMP v2's"):
-        check_supported(cfg)
+def test_context_and_expert_parallelism_are_accepted() -> None:
+    SMPv2Config(context_parallel_degree=2, hybrid_shard_degree=2)
+    SMPv2Config(expert_parallel_degree=2, hybrid_shard_degree=2)

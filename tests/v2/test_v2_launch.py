@@ -38,8 +38,8 @@ def test_bare_v2_parameters_are_v2_and_a_misspelt_key_names_the_nearest(tmp_path
     assert isinstance(plan.smp, V2Launch)
     with pytest.raises(SMPConfigError, match='did you mean "hybrid_shard_degree"'):
         plan_launch(["--config", json.dumps(_distribution(hybrid_shard_degre=2)), str(SCRIPT)], {})
-    with pytest.raises(SMPUnsupportedError, match="context parallelism"):
-        plan_launch(["--config", json.dumps(_distribution(context_parallel_degree=2, hybrid_shard_degree=2)),
+    with pytest.raises(SMPUnsupportedError, match="expert parallelism"):
+        plan_launch(["--config", json.dumps(_distribution(expert_parallel_degree=2, hybrid_shard_degree=2)),
                      str(SCRIPT)], {})  # fmt: skip
 
 

@@ -27,8 +27,8 @@ def sync_from_source(ctx: Context, layout: FsdpLayout, modules: list[nn.Module])
     pieces = [t.to_local() for t in tensors.values() if isinstance(t, DTensor)]
     if ctx.tp_size > 1 and plain:
         _broadcast(plain, ctx.mesh.get_group("tp"))
-    for dim in ("shard", "rep"):
-        if layout.mesh.size(layout.mesh.mesh_dim_names.index(dim)) > 1:
+    for dim in (1, 0):  # shard (or shard x cp), then rep
+        if layout.mesh.size(dim) > 1:
             _broadcast(plain + pieces, layout.mesh.get_group(dim))
 
 

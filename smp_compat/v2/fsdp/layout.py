@@ -34,7 +34,7 @@ _NO_RESHARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZE
 class FsdpLayout:
     """The resolved layout: FSDP2's 2-D mesh, the strategy in effect, and FSDP1's group attributes."""
 
-    mesh: DeviceMesh  # ("rep", "shard")
+    mesh: DeviceMesh  # ("rep", "shard"), or ("rep", "shard_cp") under context parallelism
     strategy: ShardingStrategy
     reshard_after_forward: bool
     process_group: dist.ProcessGroup
@@ -70,14 +70,18 @@ def resolve(ctx: Context, strategy: ShardingStrategy | None) -> FsdpLayout:
     if ctx.ep_size > 1:
         return _ep_layout(ctx, strategy, dp // shard, shard)
     mesh = _fsdp_mesh(ctx, dp // shard, shard)
-    group = mesh.get_group("rep") if shard == 1 else mesh.get_group("shard")
+    group = mesh.get_group(0) if shard == 1 else mesh.get_group(1)  # (rep, shard) or (rep, shard_cp)
     return FsdpLayout(mesh, strategy, strategy not in _NO_RESHARD, group, shard)
 
 
 def _fsdp_mesh(ctx: Context, rep: int, shard: int) -> DeviceMesh:
     """The ("rep", "shard") slice of the root mesh, or of ``tsm.state``'s mesh for another shard size (tp 1)."""
-    if ctx.cp_size > 1:
-        raise SMPUnsupportedError("context parallelism (context_parallel_degree > 1) with the FSDP façade")
+    if ctx.cp_size > 1:  # the shard group spans shard x cp (context_parallel/mesh.py)
+        from smp_compat.v2.context_parallel.mesh import fsdp_mesh
+
+        found = fsdp_mesh(ctx.mesh, rep, shard)
+        if found is not None or ctx.tp_size == 1:
+            return found or fsdp_mesh(ctx.mesh_for(shard), rep, shard)  # type: ignore[return-value]
     sizes = dict(zip(ctx.mesh.mesh_dim_names or (), ctx.mesh.mesh.shape))
     if sizes.get("rep") == rep and sizes.get("shard") == shard:
         return ctx.mesh["rep", "shard"]

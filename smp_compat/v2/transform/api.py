@@ -49,6 +49,10 @@ def transform(
 
         return transform_moe(model, config, device, dtype, load_state_dict_from_rank0, _move)
     tp, mesh = _tp_from_state()
+    if state.context_parallel_degree > 1:
+        from smp_compat.v2.context_parallel.apply import context_parallelize
+
+        context_parallelize(model, state.cp_process_group, cp_comm_type)
     return tensor_parallelize(model, mesh if tp > 1 else None, device, dtype, load_state_dict_from_rank0)
 
 
@@ -90,11 +94,10 @@ def _move(model: nn.Module, device: torch.device | str | None, dtype: torch.dtyp
 
 
 def _tp_from_state() -> tuple[int, DeviceMesh | None]:
-    """(tensor_parallel_degree, the tp mesh) from ``tsm.state``; errors for init missing, cp or ep."""
+    """(tensor_parallel_degree, the tp mesh) from ``tsm.state``; errors for init missing or ep."""
     if not state.initialized:
         raise SMPNotInitializedError("torch.sagemaker.transform needs torch.sagemaker.init() first.")
-    for key, feature in (("context_parallel_degree", "context parallelism"),
-                         ("expert_parallel_degree", "expert parallelism")):  # fmt: skip
+    for key, feature in (("expert_parallel_degree", "expert parallelism"),):
         if getattr(state, key) > 1:
             raise SMPUnsupportedError(
                 f"torch.sagemaker.transform: {feature} ({key}={getattr(state, key)}) is not supported yet "
