@@ -146,45 +146,38 @@ def _sharded_save(model: Any, opt: Any, folder: str) -> tuple[list[torch.Tensor]
         sd = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, opt), "total_steps": 3}
     if tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0:
         checkpoint.save_state_dict(state_dict=sd, storage_writer=checkpoint.FileSystemWriter(folder),
-                                   process_group=model.process_group, coordinator_rank=0)  # fmt: skip
+                                   process_group=model.process_group, coordinator_rank=_coordinator(model))  # fmt: skip
     dist.barrier()
     return _local_state(model, opt)
 
 
+def _coordinator(model: Any) -> int:
+    """checkpoints.py's coordinator: the lowest GLOBAL rank of ``model.process_group``."""
+    from torch.sagemaker.utils.process_group_utils import get_global_ranks
+
+    return min(get_global_ranks(model.process_group))
+
+
 def _sharded_load(model: Any, opt: Any, folder: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """checkpoints.py's ``_load_sharded`` for the model; the optimizer through a DTensor template read from the
-    same folder over ``model.process_group``. (The scripts' ``load_sharded_optimizer_state_dict(...,
-    process_group=model.process_group)`` needs branch v2ckpt's DCP fix: stock torch lacks the keyword and
-    would chunk over the whole job, whose other half holds another ep rank's experts.)"""
+    """checkpoints.py's ``_load_sharded``, call for call: model state over ``model.process_group``, then
+    ``load_sharded_optimizer_state_dict(..., process_group=model.process_group)`` (each ep folder holds one ep
+    rank's experts) and ``FSDP.optim_state_dict_to_load``."""
     from torch.distributed import checkpoint
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sd = {"model": model.state_dict(), "total_steps": 0}
         checkpoint.load_state_dict(state_dict=sd, storage_reader=checkpoint.FileSystemReader(folder),
-                                   process_group=model.process_group, coordinator_rank=0)  # fmt: skip
+                                   process_group=model.process_group, coordinator_rank=_coordinator(model))  # fmt: skip
         model.load_state_dict(sd["model"])
-        _create_optimizer_state(model, opt)
-        template = {"optimizer": FSDP.optim_state_dict(model, opt)}
-        checkpoint.load_state_dict(state_dict=template, storage_reader=checkpoint.FileSystemReader(folder),
-                                   process_group=model.process_group, coordinator_rank=0)  # fmt: skip
+        optim_state = load_sharded_optimizer_state_dict(model_state_dict=sd["model"], optimizer_key="optimizer",
+                                                        storage_reader=checkpoint.FileSystemReader(folder),
+                                                        process_group=model.process_group)  # fmt: skip
         opt.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=opt,
-                                                          optim_state_dict=template["optimizer"]))  # fmt: skip
+                                                          optim_state_dict=optim_state["optimizer"]))  # fmt: skip
     return _local_state(model, opt)
-
-
-def _create_optimizer_state(model: Any, opt: torch.optim.Optimizer) -> None:
-    """AdamW's state tensors, parameters untouched (lr 0, zero gradients): a load target."""
-    lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"] = lr
 
 
 def _hf_equal_job() -> dict[str, Any]:
