@@ -5,8 +5,9 @@ f"{rank}.pt")`` and, on resume, a plain ``torch.load`` of that file. Since torch
 weights-only by default and refuses the Hugging Face config (SMP's PyTorch 2.0-2.5 did not). As for v1
 checkpoints (``smp_compat.checkpoints.signing``), after ``tsm.init()`` a ``torch.save`` to a path is written
 atomically with a keyed digest beside it (``<file>.hmac``), and a ``torch.load`` that did not choose
-``weights_only`` and is refused by safe loading still loads the file in full when its digest verifies under
-this user's key: the job's own files load with no flag; a file from elsewhere or changed since is refused
+``weights_only`` and is refused by safe loading loads again with the data-only allow-list (a Hugging Face config,
+``argparse.Namespace``, ...: ``checkpoints.load_policy``), so a restart in a fresh container with an empty home
+still reads it; anything else loads in full only when its digest verifies under this user's key: the job's own files load with no flag; a file from elsewhere or changed since is refused
 as before. Explicit ``weights_only=...`` arguments are always obeyed.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from smp_compat.checkpoints import signing
+from smp_compat.checkpoints.load_policy import allow_harmless
 
 __all__ = ["install", "signed_save", "STOCK"]
 
@@ -88,6 +90,12 @@ def _load_wrapper() -> Callable[..., Any]:
             return stock(f, *args, **kwargs)
         try:
             return stock(f, *args, **kwargs)
+        except pickle.UnpicklingError as exc:
+            if not _is_refusal(exc):
+                raise
+        try:  # data-only objects (a Hugging Face config, Namespace, ...): no key needed, as for v1 files
+            with allow_harmless(f):
+                return stock(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
             if not _is_refusal(exc):
                 raise

@@ -119,3 +119,24 @@ def test_the_jobs_own_torch_save_loads_with_plain_torch_load(tmp_path: Path, mon
     (tmp_path / "0.pt").write_bytes((tmp_path / "0.pt").read_bytes() + b"\0")
     with pytest.raises(pickle.UnpicklingError):
         torch.load(tmp_path / "0.pt")  # changed since it was signed
+
+
+@pytest.mark.hf
+def test_a_local_file_with_a_hugging_face_config_loads_in_a_fresh_container(tmp_path: Path, monkeypatch) -> None:
+    """Issue 33 for v2's local type: saved under one key, loaded where the key is new (an empty home) with plain
+    torch.load: the config is data-only, so it loads; an object of other code still needs the job's own key."""
+    from transformers import LlamaConfig
+
+    from opaque import Opaque
+    from smp_compat.checkpoints.signing import KEY_ENV
+
+    signed_files.install()
+    monkeypatch.setattr(dcp_compat, "v2_initialized", lambda: True)
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "old-home" / "checkpoint.key"))
+    torch.save({"model": {"w": torch.ones(2)}, "model_config": LlamaConfig(hidden_size=32)}, tmp_path / "0.pt")
+    torch.save({"model_config": Opaque("x")}, tmp_path / "1.pt")
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "new-home" / "checkpoint.key"))
+    loaded = torch.load(tmp_path / "0.pt")
+    assert loaded["model_config"].hidden_size == 32 and torch.equal(loaded["model"]["w"], torch.ones(2))
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "1.pt")
