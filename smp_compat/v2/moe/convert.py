@@ -65,6 +65,7 @@ def _convert_block(block: nn.Module, hf: object, config: MoEConfig, group: objec
         block.experts.act_fn,
         first=lo,
         init_std=getattr(hf, "initializer_range", 0.02),
+        total=total,
     )
     return MoELayer(block.gate, local, hf.num_experts_per_tok, total, config, group, ep,  # type: ignore[attr-defined]
                     getattr(hf, "router_jitter_noise", 0.0) or 0.0)  # fmt: skip

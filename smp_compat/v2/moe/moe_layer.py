@@ -29,9 +29,10 @@ class LocalExperts(nn.Module):
     """This rank's experts as Hugging Face 5.x stacks them: ``gate_up_proj`` [n, 2I, H], ``down_proj`` [n, H, I]."""
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn: nn.Module, first: int,
-                 init_std: float = 0.02) -> None:  # fmt: skip
+                 init_std: float = 0.02, total: int | None = None) -> None:  # fmt: skip
         super().__init__()
         self.init_std = init_std  # Hugging Face's initializer_range, for delayed parameter initialization
+        self.total = gate_up_proj.shape[0] if total is None else total  # experts over the whole ep group
         self.gate_up_proj = nn.Parameter(gate_up_proj)
         self.down_proj = nn.Parameter(down_proj)
         self.act_fn = act_fn
@@ -39,10 +40,18 @@ class LocalExperts(nn.Module):
         self.grad_scale = 1.0  # the FSDP façade sets 1/ep: these gradients already hold every ep peer's tokens
 
     def reset_parameters(self) -> None:
-        """Hugging Face's Mixtral initialization of expert weights: normal(0, initializer_range)."""
+        """Hugging Face's Mixtral initialization of expert weights: normal(0, initializer_range).
+
+        Every rank draws all ``total`` experts, one at a time in a fixed order, and keeps its own: delayed
+        initialization then gives the same weights (and leaves the random stream in the same state) at any
+        expert_parallel_degree, with one expert's weights as the only extra memory."""
         with torch.no_grad():
-            self.gate_up_proj.normal_(0.0, self.init_std)
-            self.down_proj.normal_(0.0, self.init_std)
+            for param in (self.gate_up_proj, self.down_proj):
+                scratch = torch.empty_like(param[0])
+                for e in range(self.total):
+                    scratch.normal_(0.0, self.init_std)
+                    if self.first <= e < self.first + param.shape[0]:
+                        param[e - self.first].copy_(scratch)
 
     @property
     def num_experts(self) -> int:
