@@ -12,7 +12,7 @@ from launching import clean_env, free_port, run_all, smp_compat_command
 from smp_compat.cli import main
 from smp_compat.cli.launch_v2 import V2Launch
 from smp_compat.cli.run import plan_launch
-from smp_compat.errors import SMPConfigError, SMPUnsupportedError
+from smp_compat.errors import SMPConfigError
 
 SCRIPT = Path(__file__).parent / "scripts" / "probe_launch.py"
 
@@ -38,9 +38,12 @@ def test_bare_v2_parameters_are_v2_and_a_misspelt_key_names_the_nearest(tmp_path
     assert isinstance(plan.smp, V2Launch)
     with pytest.raises(SMPConfigError, match='did you mean "hybrid_shard_degree"'):
         plan_launch(["--config", json.dumps(_distribution(hybrid_shard_degre=2)), str(SCRIPT)], {})
-    with pytest.raises(SMPUnsupportedError, match="expert parallelism"):
-        plan_launch(["--config", json.dumps(_distribution(expert_parallel_degree=2, hybrid_shard_degree=2)),
-                     str(SCRIPT)], {})  # fmt: skip
+    plan = plan_launch(["--config", json.dumps(_distribution(expert_parallel_degree=2, hybrid_shard_degree=2)),
+                        str(SCRIPT)], {})  # fmt: skip
+    assert isinstance(plan.smp, V2Launch) and plan.smp.config.expert_parallel_degree == 2
+    with pytest.raises(SMPConfigError, match="cannot be combined with tensor_parallel_degree"):
+        plan_launch(["--config", json.dumps(_distribution(expert_parallel_degree=2, tensor_parallel_degree=2,
+                                                          hybrid_shard_degree=2)), str(SCRIPT)], {})  # fmt: skip
 
 
 def test_estimator_with_v2_distribution_and_framework_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
