@@ -25,7 +25,8 @@ QUICK: tuple[str, ...] = (
     "cli/test_launch_e2e.py::test_shim_is_absent_by_default_and_boots_from_pythonpath",
     # config/, the top-level modules (topology, ranks, comm, model, launch) and the import layering
     "core/test_config.py", "core/test_launch.py", "core/test_comm.py", "core/test_model_api.py",
-    "core/test_layout.py", "core/test_topology.py", "core/test_dp_fidelity.py::test_dp2_microbatches4",
+    "core/test_layout.py", "core/test_topology.py::test_worked_example", "core/test_topology.py::test_dtp",
+    "core/test_dp_fidelity.py::test_dp2_microbatches4",
     "core/test_quick_tier.py",
     # examples/: the benchmarks' partition-balance helper (the examples themselves run end to end: whole suite)
     "examples/test_partition_balance_smoke.py",
