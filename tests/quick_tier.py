@@ -27,7 +27,7 @@ QUICK: tuple[str, ...] = (
     "core/test_config.py", "core/test_launch.py", "core/test_comm.py", "core/test_model_api.py",
     "core/test_layout.py", "core/test_topology.py::test_worked_example", "core/test_topology.py::test_dtp",
     "core/test_dp_fidelity.py::test_dp2_microbatches4",
-    "core/test_quick_tier.py",
+    "core/test_quick_tier.py", "core/test_sweep_row.py",
     # examples/: the benchmarks' partition-balance planner (the examples themselves run end to end: whole suite)
     "examples/test_partition_balance_smoke.py::test_best_split_is_the_brute_force_optimum",
     # memory/
