@@ -48,3 +48,12 @@ def _reset_smp_state():
     yield
     reset()
     reset_v2()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the quick tier (tests/quick_tier.py) so that ``pytest -m quick`` runs it."""
+    from quick_tier import is_quick
+
+    for item in items:
+        if is_quick(item.nodeid):
+            item.add_marker(pytest.mark.quick)
