@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from smp_compat.errors import SMPUnsupportedError
-from smp_compat.torch_floor import check_torch
+from smp_compat.host.torch_floor import check_torch
 
 FSDP2 = ("torch.distributed.fsdp", "fully_shard", "sharded data parallelism: FSDP2")  # torch 2.5
 HOOKS = ("torch._C._autograd", "_top_saved_tensors_default_hooks", "pipeline parallelism")  # 2.6, 2.7
