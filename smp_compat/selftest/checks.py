@@ -323,6 +323,8 @@ CHECKS: tuple[Check, ...] = (
     Check("v2-tp2-hsd2", "SMP v2: tsm.transform tp 2 x hybrid_shard_degree 2", _v2_check("tp_hybrid_shard")),
     Check("v2-cp2", "SMP v2: context_parallel_degree 2 (ring attention, whole-sequence loss)",
           _v2_check("context_parallel")),
+    Check("v2-ep2", "SMP v2: expert_parallel_degree 2 x hybrid_shard_degree 2 (Mixtral, dropless top-2)",
+          _v2_check("expert_parallel")),
     Check("v2-sharded-resume", "SMP v2: sharded (DCP) save, fresh tsm.init, load, one more step",
           _v2_check("sharded_resume")),
 )  # fmt: skip

@@ -159,3 +159,21 @@ def llama_recipe() -> Recipe:
     """A two-layer Hugging Face Llama (grouped-query attention): the SMP v2 checks' model, which tsm.transform
     splits over the tp group and the FSDP façade shards."""
     return Recipe(_llama, _token_batches, _hf_loss, _momentum)
+
+
+def _mixtral() -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=LM_HIDDEN, intermediate_size=2 * LM_HIDDEN,
+                                        num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+                                        tie_word_embeddings=False, use_cache=False,
+                                        attn_implementation="sdpa")  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def mixtral_recipe() -> Recipe:
+    """A two-layer Hugging Face Mixtral (4 experts, top 2): the expert-parallel check's model. Its loss is the
+    language-model loss alone (stock Mixtral adds no router loss unless ``output_router_logits``)."""
+    return Recipe(_mixtral, _token_batches, _hf_loss, _momentum)

@@ -19,10 +19,10 @@ from torch import nn
 
 from smp_compat.selftest.checks import Context, Result, Skipped, shared_folder
 from smp_compat.selftest.faults import Injector
-from smp_compat.selftest.models import Recipe, llama_recipe
+from smp_compat.selftest.models import Recipe, llama_recipe, mixtral_recipe
 from smp_compat.selftest.training import Tracker, reference_run
 
-__all__ = ["context_parallel", "hybrid_shard", "sharded_resume", "tp_hybrid_shard", "user_config"]
+__all__ = ["context_parallel", "expert_parallel", "hybrid_shard", "sharded_resume", "tp_hybrid_shard", "user_config"]
 
 SAMPLES_PER_DP_RANK = 2
 
@@ -56,14 +56,15 @@ def _seeded(recipe: Recipe, seed: int) -> nn.Module:
     return recipe.build()
 
 
-def _wrap(tsm: Any, model: nn.Module, device: torch.device, cp_comm_type: str = "p2p") -> nn.Module:
-    """The scripts' sequence: ``transform``, then ``FullyShardedDataParallel`` wrapping each decoder layer."""
+def _wrap(tsm: Any, model: nn.Module, device: torch.device, **transform: Any) -> nn.Module:
+    """The scripts' sequence: ``transform(model, **transform)``, then ``FullyShardedDataParallel`` wrapping each
+    decoder layer."""
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     from smp_compat.v2.tensor_parallel.transformer import TransformerLayer
 
-    model = tsm.transform(model, cp_comm_type=cp_comm_type)
+    model = tsm.transform(model, **(transform or {"cp_comm_type": "p2p"}))
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
     return FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                                     use_orig_params=True, device_id=device)  # fmt: skip
@@ -105,15 +106,16 @@ def _train(tsm: Any, recipe: Recipe, model: nn.Module, opt: torch.optim.Optimize
 def _layout(tsm: Any) -> str:
     layout = tsm.state.layout
     parts = ([f"tp{layout.tp}"] if layout.tp > 1 else []) + ([f"cp{layout.cp}"] if layout.cp > 1 else [])
+    parts += [f"ep{layout.ep}"] if layout.ep > 1 else []
     return "×".join([*parts, f"shard{layout.shard}", f"rep{layout.rep}"])
 
 
-def _run(ctx: Context, params: dict[str, Any], recipe: Recipe | None = None) -> Result:
+def _run(ctx: Context, params: dict[str, Any], recipe: Recipe | None = None, **transform: Any) -> Result:
     recipe, tol = recipe or llama_recipe(), ctx.fp32
     dp = ctx.env.world_size // (params.get("tensor_parallel_degree", 1) * params.get("context_parallel_degree", 1))
     tracker = Tracker(reference_run(recipe, SAMPLES_PER_DP_RANK * dp, ctx.device), tol)
     with _v2(params) as tsm:
-        model = _wrap(tsm, _seeded(recipe, 0), ctx.device)
+        model = _wrap(tsm, _seeded(recipe, 0), ctx.device, **transform)
         opt = recipe.optimizer(model.parameters())
         _train(tsm, recipe, model, opt, ctx.device, range(recipe.steps),
                lambda step, loss: tracker.step(step, loss, _full_params(model)))  # fmt: skip
@@ -149,6 +151,21 @@ def context_parallel(ctx: Context, inj: Injector) -> Result:
 
     params = {"hybrid_shard_degree": 2, "context_parallel_degree": 2}
     return _run(ctx, params, dataclasses.replace(base, batches=longer))
+
+
+def expert_parallel(ctx: Context, inj: Injector) -> Result:
+    """expert_parallel_degree 2 × hybrid_shard_degree 2 on Mixtral, dropless top-2 routing (``"none"``, no z
+    loss: the model stock Mixtral computes): each rank runs half the experts for every rank's tokens."""
+    import transformers
+
+    from smp_compat.v2.moe.moe_config import MoEConfig
+
+    _require(ctx, 2, "expert parallelism (expert_parallel_degree 2)")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise Skipped(f"expert parallelism needs transformers 5's stacked Mixtral experts; {transformers.__version__}")
+    config = MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0)
+    params = {"hybrid_shard_degree": 2, "expert_parallel_degree": 2}
+    return _run(ctx, params, mixtral_recipe(), config=config)
 
 
 def user_config(ctx: Context, inj: Injector) -> Result:

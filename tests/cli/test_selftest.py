@@ -61,6 +61,7 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert all(c["status"] == "PASS" for n, c in checks.items() if n not in skipped), output[-6000:]
     assert checks["v2-hsd2"]["layout"] == "shard2×rep1" and checks["v2-sharded-resume"]["worst_difference"] < 1e-5
     assert checks["v2-cp2"]["layout"] == "cp2×shard1×rep1" and checks["v2-cp2"]["worst_difference"] < 1e-5
+    assert checks["v2-ep2"]["layout"] == "ep2×shard2×rep1" and checks["v2-ep2"]["worst_difference"] < 1e-5
     assert checks["user-config"]["layout"] == "pp2" and checks["pp2-simple"]["worst_difference"] < 1e-5
     assert checks["pp2-simple"]["pipeline_links"] == {"0": "rank 1: shared memory", "1": "rank 0: shared memory"}
     env = report["environment"]
@@ -71,7 +72,7 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     key = os.environ[KEY_ENV]  # conftest's: every rank reports it, and where the path came from
     assert all(r["checkpoint_key"].startswith(f"{key} (") and KEY_ENV in r["checkpoint_key"] for r in env["ranks"])
     assert f"checkpoint key (rank 0): {key}" in " ".join(output.split())  # rich may wrap the line
-    assert "smp-compat selftest" in output and "15 passed, 0 failed, 2 skipped" in output
+    assert "smp-compat selftest" in output and "16 passed, 0 failed, 2 skipped" in output
 
 
 def test_four_ranks_pass(tmp_path: Path) -> None:

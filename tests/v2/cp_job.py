@@ -8,6 +8,8 @@ head/tail rule (``split_for_cp_rank``) with no ``position_ids`` and ``attention_
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 import fsdp_job
@@ -31,12 +33,19 @@ def build(family: str, seed: int = 0) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def reference(family: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process on the unsplit sequences: mean loss over the dp ranks' batches, clipping, AdamW."""
+def _optimizer(model: nn.Module, sgd: bool) -> torch.optim.Optimizer:
+    """AdamW, or (``sgd``) plain SGD at lr 1 so that one step's weight change is the clipped gradient itself:
+    AdamW's first step is ~lr * sign(grad) and would turn bf16 rounding of tiny gradients into lr-sized jumps."""
+    return torch.optim.SGD(model.parameters(), lr=1.0) if sgd else fsdp_job.adamw(model)
+
+
+def reference(family: str, dp: int, sgd: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the unsplit sequences: mean loss over the dp ranks' batches, clipping, AdamW (or one
+    SGD step)."""
     model = build(family)
-    opt = fsdp_job.adamw(model)
+    opt = _optimizer(model, sgd)
     losses = []
-    for step in range(STEPS):
+    for step in range(1 if sgd else STEPS):
         opt.zero_grad(set_to_none=True)
         loss = sum(fsdp_job._loss(model, fsdp_job.batch(step, r)) for r in range(dp)) / dp
         loss.backward()
@@ -46,8 +55,42 @@ def reference(family: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def cp_training(family: str, comm_type: str, degrees: dict[str, int]) -> dict[str, Any]:
-    """One rank's run; returns the world-mean loss per step, this rank's losses, and the full weights (rank 0)."""
+@functools.cache
+def reference_16(family: str, dp: int, sgd: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process doing what MixedPrecision(bf16, bf16, fp32 buffers) does on the unsplit sequences: fp32
+    masters and AdamW, each data-parallel rank's forward and backward on a bf16 copy, the bf16 gradients summed,
+    divided by ``dp``, then fp32 clipping and step."""
+    master = build(family)
+    opt = _optimizer(master, sgd)
+    losses = []
+    for step in range(1 if sgd else STEPS):
+        work = copy.deepcopy(master)
+        for p in work.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        grads, step_losses = None, []
+        for r in range(dp):
+            work.zero_grad(set_to_none=True)
+            loss = fsdp_job._loss(work, fsdp_job.batch(step, r))
+            loss.backward()
+            step_losses.append(loss.float().item())
+            mine = [p.grad for p in work.parameters()]
+            grads = mine if grads is None else fsdp_job._add(grads, mine)
+        for p, g in zip(master.parameters(), grads):
+            p.grad = (g / dp).float()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), fsdp_job.CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / dp)
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def cp_training(
+    family: str, comm_type: str, degrees: dict[str, int], bf16: bool = False, sgd: bool = False
+) -> dict[str, Any]:
+    """One rank's run; returns the world-mean loss per step, this rank's losses, and the full weights (rank 0).
+    ``bf16``: the scripts' MixedPrecision(bf16, bf16, fp32 buffers); ``sgd``: one SGD step (see _optimizer)."""
+    from torch.distributed.fsdp import MixedPrecision
+
     from smp_compat.v2.context_parallel import split_for_cp_rank
     from smp_compat.v2.state import reset
 
@@ -58,11 +101,13 @@ def cp_training(family: str, comm_type: str, degrees: dict[str, int]) -> dict[st
 
     reset()
     tsm.init(degrees)
-    model = fsdp_job.wrap_as_scripts(tsm.transform(build(family), cp_comm_type=comm_type), layer=TransformerLayer)
-    opt = fsdp_job.adamw(model)
+    mixed = MixedPrecision(torch.bfloat16, torch.bfloat16, torch.float32) if bf16 else None
+    model = tsm.transform(build(family), cp_comm_type=comm_type)
+    model = fsdp_job.wrap_as_scripts(model, mixed=mixed, layer=TransformerLayer)
+    opt = _optimizer(model, sgd)
     cp, cp_rank, dp_rank = tsm.state.cp_size, tsm.state.cp_rank, tsm.state.dp_rank
     mine = []
-    for step in range(STEPS):
+    for step in range(1 if sgd else STEPS):
         opt.zero_grad(set_to_none=True)
         ids = split_for_cp_rank(fsdp_job.batch(step, dp_rank), cp, cp_rank)
         loss = model(input_ids=ids, attention_mask=None, labels=ids)["loss"]
@@ -74,9 +119,9 @@ def cp_training(family: str, comm_type: str, degrees: dict[str, int]) -> dict[st
     world = stacked.clone()
     dist.all_reduce(world)
     return {"losses": (world / dist.get_world_size()).tolist(), "mine": stacked.tolist(),
-            "params": fsdp_job.full_params(model)}  # fmt: skip
+            "params": fsdp_job.full_params(model), "dtypes": {p.dtype for p in model.parameters()}}  # fmt: skip
 
 
-def several(runs: list[tuple[str, str, dict[str, int]]]) -> list[dict[str, Any]]:
+def several(runs: list[tuple]) -> list[dict[str, Any]]:
     """Several ``cp_training`` jobs one after another in the same ranks (each a fresh tsm.init)."""
     return [cp_training(*run) for run in runs]

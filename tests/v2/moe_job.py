@@ -4,6 +4,7 @@ its one-process reference: stock Mixtral on every data-parallel rank's batch, ro
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any
 
@@ -53,11 +54,43 @@ def reference_loss(model: nn.Module, ids: torch.Tensor, cfg: MoEConfig) -> tuple
     return lm + extra, lm
 
 
-def reference_training(dp: int, cfg: MoEConfig, steps: int = fsdp_job.STEPS) -> tuple[list[float], dict]:
+def _optimizer(model: nn.Module, sgd: bool) -> torch.optim.Optimizer:
+    """AdamW, or (``sgd``) SGD at lr 1: one step's weight change is then the clipped gradient itself."""
+    return torch.optim.SGD(model.parameters(), lr=1.0) if sgd else fsdp_job.adamw(model)
+
+
+def _routed_mixtral(cfg: MoEConfig) -> nn.Module:
     model = tiny_mixtral()
     for layer in model.model.layers:
         _routed_as(layer.mlp.gate, cfg.moe_load_balancing)
-    opt = fsdp_job.adamw(model)
+    return model
+
+
+def reference_sgd_16(dp: int, cfg: MoEConfig) -> dict[str, torch.Tensor]:
+    """One SGD step the way MixedPrecision(bf16, bf16, fp32 buffers) takes it: each data-parallel rank's
+    forward and backward on a bf16 copy of the fp32 masters, bf16 gradients summed, divided by ``dp``, fp32."""
+    master = _routed_mixtral(cfg)
+    work = copy.deepcopy(master)
+    for p in work.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    grads = None
+    for r in range(dp):
+        work.zero_grad(set_to_none=True)
+        reference_loss(work, fsdp_job.batch(0, r), cfg)[0].backward()
+        mine = [p.grad for p in work.parameters()]
+        grads = mine if grads is None else fsdp_job._add(grads, mine)
+    for p, g in zip(master.parameters(), grads):
+        p.grad = (g / dp).float()
+    torch.nn.utils.clip_grad_norm_(master.parameters(), fsdp_job.CLIP)
+    _optimizer(master, True).step()
+    return {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def reference_training(
+    dp: int, cfg: MoEConfig, steps: int = fsdp_job.STEPS, sgd: bool = False
+) -> tuple[list[float], dict]:  # fmt: skip
+    model = _routed_mixtral(cfg)
+    opt = _optimizer(model, sgd)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -78,14 +111,17 @@ def init_ep(ep: int, hybrid_shard_degree: int) -> None:
     tsm.init({"hybrid_shard_degree": hybrid_shard_degree, "expert_parallel_degree": ep})
 
 
-def scripted_ep_training(cfg: MoEConfig, steps: int = fsdp_job.STEPS) -> tuple[nn.Module, Any, list[float]]:
-    """train_lib.py's path: transform(config=MoEConfig), FSDP with TransformerLayer, checkpointing, AdamW."""
+def scripted_ep_training(
+    cfg: MoEConfig, steps: int = fsdp_job.STEPS, mixed: Any = None, sgd: bool = False
+) -> tuple[nn.Module, Any, list[float]]:  # fmt: skip
+    """train_lib.py's path: transform(config=MoEConfig), FSDP with TransformerLayer, checkpointing, AdamW
+    (``mixed``: FSDP's MixedPrecision; ``sgd``: SGD at lr 1 instead)."""
     import torch.sagemaker as tsm
     from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
     model = tsm.transform(tiny_mixtral(), config=cfg)
-    model = fsdp_job.wrap_as_scripts(model, strategy="hybrid_shard", layer=TransformerLayer)
-    opt = fsdp_job.adamw(model)
+    model = fsdp_job.wrap_as_scripts(model, strategy="hybrid_shard", mixed=mixed, layer=TransformerLayer)
+    opt = _optimizer(model, sgd)
     losses = fsdp_job.train_steps(model, opt, dist.get_rank(), range(steps))
     return model, opt, losses
 

@@ -2,7 +2,8 @@
 
 Each rank gets the scripts' head/tail chunks of its data-parallel rank's sequences, no position_ids and no
 mask; FSDP shards over shard x cp and averages gradients there. fp32, 5 AdamW steps with clipping, against one
-process on the unsplit sequences: the mean loss over the world and the final full weights.
+process on the unsplit sequences: the mean loss over the world and the final full weights. bf16 (the
+scripts' MixedPrecision) is bounded by bf16's own noise against a one-process bf16 reference (_check_bf16).
 """
 
 from __future__ import annotations
@@ -23,7 +24,31 @@ needs_attention_interface = pytest.mark.skipif(
     reason="context parallelism needs Hugging Face's AttentionInterface (transformers >= 4.48)",
 )
 
+BF16 = ("llama", "p2p", {"hybrid_shard_degree": 2, "context_parallel_degree": 2}, True, True)
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4  # measured: losses <= 1.5e-6, weights <= 1.6e-5 (tp x cp); a wrong shift: ~1e-1
+
+
+def _relative_step_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], family: str) -> float:
+    """Max over tensors of |params - ref| / max |ref's SGD step|: the error of the step (the gradient) itself."""
+    start = cp_job.build(family).state_dict()
+    steps = {k: (ref[k] - start[k]).abs().max() for k in ref if k in params and ref[k].is_floating_point()}
+    return max(((params[k] - ref[k]).abs().max() / s).item() for k, s in steps.items() if s > 0)
+
+
+def _check_bf16(got: dict) -> None:
+    """cp 2 under MixedPrecision(bf16, bf16, fp32 buffers), one SGD step, against one process in bf16 on the
+    unsplit sequences. Not exact: the split changes every bf16 rounding (each rank's matmuls and softmax sums
+    cover half the tokens, the two bf16 gradient halves are summed by the reduce-scatter; cp's attention
+    blocks accumulate in fp32), so the bound is bf16's own noise, measured: the step's error 1.67e-2 of its
+    size against the bf16 reference, 1.68e-2 between the bf16 and fp32 references, 1.3e-5 for cp 2 in fp32.
+    The fp32-to-bf16 gap (1.6e-2) shows the run computed in bf16; a wrong shift or a lost gradient half
+    is an error of order 1."""
+    family = BF16[0]
+    assert got["dtypes"] == {torch.float32}  # fp32 masters
+    _, ref16 = cp_job.reference_16(family, 1, sgd=True)
+    _, ref32 = cp_job.reference(family, 1, sgd=True)
+    assert _relative_step_error(got["params"], ref16, family) < 5e-2
+    assert _relative_step_error(got["params"], ref32, family) > 1e-3  # the run really computed in bf16
 
 
 def _check(results: list[dict], runs: list[tuple], world: int) -> None:
@@ -42,10 +67,13 @@ def _check(results: list[dict], runs: list[tuple], world: int) -> None:
 @pytest.mark.hf
 @needs_attention_interface
 def test_cp2_world2_both_comm_types_and_families_match_one_process() -> None:
+    """fp32 runs to the digit; and a bf16 run (MixedPrecision, one SGD step) within bf16's noise."""
     degrees = {"hybrid_shard_degree": 2, "context_parallel_degree": 2}
     runs = [("llama", "p2p", degrees), ("llama", "all_gather", degrees), ("gpt_neox", "p2p", degrees),
             ("mistral", "all_gather", degrees)]  # fmt: skip
-    _check(run_ranks(cp_job.several, 2, runs, timeout=600), runs, 2)
+    results = run_ranks(cp_job.several, 2, [*runs, BF16], timeout=600)
+    _check(results, runs, 2)
+    _check_bf16(results[0][-1])
 
 
 @pytest.mark.hf
