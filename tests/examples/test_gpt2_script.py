@@ -45,6 +45,7 @@ def _assert_same_state(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]
                                            msg=lambda m: f"rank {rank} {name}: {m}")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_gpt2_fp16_sharded_pp2_dp2_trains_and_resumes_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launching, "TIMEOUT_S", 240)  # three 4-process jobs; ~20 s each on an idle 2-core machine
     ckpt = tmp_path / "ckpt"

@@ -28,6 +28,7 @@ def _job(tmp_path: Path, name: str, *args: str) -> tuple[list[str], dict[str, st
     return cmd, clean_env(PYTHONPATH=str(ROOT))
 
 
+@pytest.mark.slow
 def test_v2_example_trains_resumes_bitwise_and_saves_a_hugging_face_model(tmp_path: Path) -> None:
     from transformers import LlamaForCausalLM
 

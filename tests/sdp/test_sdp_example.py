@@ -57,6 +57,7 @@ def _launch(tmp_path: Path, *extra: str, config: Path = CONFIG) -> None:
     run_all([(cmd, clean_env())], tmp_path)
 
 
+@pytest.mark.slow
 def test_gpt_sdp_example_matches_plain_pytorch_and_resumes_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launching, "TIMEOUT_S", 300)  # three jobs importing transformers on a loaded machine
     whole = tmp_path / "whole"
