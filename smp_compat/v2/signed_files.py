@@ -17,6 +17,7 @@ import functools
 import io
 import os
 import pickle
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ import torch
 
 from smp_compat.checkpoints import signing
 from smp_compat.checkpoints.load_policy import allow_harmless
-from smp_compat.checkpoints.serialization import atomic_save, is_refusal
 
 __all__ = ["install", "signed_save", "STOCK"]
 
@@ -40,9 +40,31 @@ def _active() -> bool:
 
 
 def signed_save(obj: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
-    """``torch.save`` written atomically with its digest beside it, as v1's files are (``atomic_save`` hands
-    ``torch.save`` a file object, which the wrapper below passes straight to the stock function)."""
-    atomic_save(obj, path, **kwargs)
+    """``torch.save`` to a temporary file beside ``path``, then rename; then the digest, the same way."""
+    target = Path(path)
+    mac = signing.new_mac(signing.user_key())
+    _atomic(target, lambda handle: STOCK["save"](obj, signing.DigestingWriter(handle, mac), **kwargs))
+    digest = mac.hexdigest().encode("ascii")
+    _atomic(signing.digest_path(target), lambda handle: handle.write(digest))
+
+
+def _atomic(target: Path, write: Callable[[Any], Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """torch's safe unpickler refused a type ("Unsupported operand" means damaged bytes instead)."""
+    text = str(exc)
+    return "WeightsUnpickler error" in text and "Unsupported operand" not in text
 
 
 def _save_wrapper() -> Callable[..., Any]:
@@ -69,13 +91,13 @@ def _load_wrapper() -> Callable[..., Any]:
         try:
             return stock(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
-            if not is_refusal(exc):
+            if not _is_refusal(exc):
                 raise
         try:  # data-only objects (a Hugging Face config, Namespace, ...): no key needed, as for v1 files
             with allow_harmless(f):
                 return stock(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
-            if not is_refusal(exc):
+            if not _is_refusal(exc):
                 raise
             data = Path(f).read_bytes()  # read once: what is checked is what loads
             if not signing.verifies(f, data):
