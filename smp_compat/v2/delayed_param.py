@@ -13,6 +13,7 @@ initialization HF fixes (norms, biases, rotary frequencies) equal a model built 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
@@ -52,7 +53,7 @@ class DelayedParamIniter:
             with whole_during_init(module, _device()):  # tp pieces: initialized whole, then cut
                 _materialize(module, _device())
                 self._init(module)
-                _complete(module)
+                _complete(module, _device())
             if self.verbose:
                 print(f"DelayedParamIniter: initialized {type(module).__name__}")
 
@@ -120,9 +121,12 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
                 t.fill_(float("nan"))
 
 
-def _complete(module: nn.Module) -> None:
+def _complete(module: nn.Module, device: torch.device) -> None:
     """Initialize what the model's own init left as NaN; raise naming what nothing could initialize."""
     left = _nan_tensors(module)
+    if left and all(name in module._buffers for name, _ in left):
+        _recompute_buffers(module, device, [name for name, _ in left])
+        left = _nan_tensors(module)
     if left and callable(getattr(module, "reset_parameters", None)):
         module.reset_parameters()
         left = _nan_tensors(module)
@@ -136,6 +140,36 @@ def _complete(module: nn.Module) -> None:
             f"DelayedParamIniter cannot initialize {type(module).__name__}'s {[n for n, _ in left]}: the model's "
             "_init_weights does not cover them; pass init_method_using_config=<function(module)> that does."
         )
+
+
+def _recompute_buffers(module: nn.Module, device: torch.device, names: list[str]) -> None:
+    """Buffers its constructor computes (transformers 4.x rotary frequencies and cos/sin caches), computed again.
+
+    A model built under ``torch.device("meta")`` has them on meta too, and 4.x's ``_init_weights`` does not
+    refill them. A second instance of the module's class, built on ``device`` from the module's own attributes
+    (``dim``, ``base``, ``config``, ...), holds them; nothing happens where the constructor asks for a value
+    the module does not keep.
+    """
+    kwargs: dict[str, object] = {}
+    for name, param in list(inspect.signature(type(module).__init__).parameters.items())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name == "device":
+            kwargs[name] = device
+        elif hasattr(module, name):
+            kwargs[name] = getattr(module, name)
+        elif param.default is param.empty:
+            return
+    try:
+        with torch.device(device):
+            fresh = type(module)(**kwargs)
+    except Exception:  # an attribute that is not the constructor's argument: _complete names the buffers
+        return
+    with torch.no_grad():
+        for name in names:
+            twin = fresh._buffers.get(name)
+            if twin is not None and twin.shape == module._buffers[name].shape:
+                module._buffers[name].copy_(twin)
 
 
 def _nan_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -55,6 +55,20 @@ def test_delayed_init_uses_hf_init_and_is_deterministic() -> None:
     assert DelayedParamIniter(model).count_num_params() == sum(p.numel() for p in built.values())
 
 
+def test_buffers_built_on_meta_are_recomputed_as_their_constructor_computes_them() -> None:
+    """``torch.device("meta")`` puts buffers on meta too; transformers 4.x's init leaves its rotary ones untouched."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(fsdp_job.tiny_llama(meta=True).config)
+    init = DelayedParamIniter(model).get_param_init_fn()
+    for m in list(model.modules()):
+        init(m)
+    cpu_buffers = dict(fsdp_job.tiny_llama().named_buffers())
+    assert cpu_buffers.keys() == dict(model.named_buffers()).keys()
+    assert all(torch.equal(b, cpu_buffers[n]) for n, b in model.named_buffers())
+
+
 def test_validate_names_what_is_still_on_meta() -> None:
     model = fsdp_job.tiny_llama(meta=True)
     with pytest.raises(UninitializedStateError, match=r"still on the meta device.*model\.embed_tokens\.weight"):
