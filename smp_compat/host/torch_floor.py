@@ -11,9 +11,11 @@ import torch
 
 from smp_compat.errors import SMPUnsupportedError
 
-__all__ = ["TORCH_FLOOR", "check_torch"]
+__all__ = ["SHARDING_FLOOR", "TORCH_FLOOR", "check_sharding", "check_torch"]
 
 TORCH_FLOOR = "2.8"
+SHARDING_FLOOR = "2.9"
+"""FSDP2 exists under 2.8 but does not equal plain PyTorch there (tests/sdp, docs/versions.md): refused, not run."""
 
 
 def _missing() -> list[str]:
@@ -39,3 +41,12 @@ def check_torch() -> None:
         raise SMPUnsupportedError(
             f"smp_compat needs torch >= {TORCH_FLOOR}; this is torch {torch.__version__}, which lacks what "
             f"{'; '.join(missing)} need. pip install 'torch>={TORCH_FLOOR}'")  # fmt: skip
+
+
+def check_sharding(feature: str) -> None:
+    """SMPUnsupportedError where this torch's FSDP2 trains measurably wrong (2.8): before any ``fully_shard``."""
+    if torch.torch_version.TorchVersion(torch.__version__) < SHARDING_FLOOR:
+        raise SMPUnsupportedError(
+            f"{feature} needs torch >= {SHARDING_FLOOR}: under torch {torch.__version__}, FSDP2 (fully_shard) "
+            f"does not train equal to plain PyTorch (docs/versions.md). pip install 'torch>={SHARDING_FLOOR}'"
+        )

@@ -7,6 +7,7 @@ subprocess, with both removed, checks that ``import smp_compat`` raises it, nami
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from smp_compat.errors import SMPUnsupportedError
-from smp_compat.host.torch_floor import check_torch
+from smp_compat.host.torch_floor import check_sharding, check_torch
 
 FSDP2 = ("torch.distributed.fsdp", "fully_shard", "sharded data parallelism: FSDP2")  # torch 2.5
 HOOKS = ("torch._C._autograd", "_top_saved_tensors_default_hooks", "pipeline parallelism")  # 2.6, 2.7
@@ -48,3 +49,20 @@ def test_import_smp_compat_on_an_older_torch_raises_one_error_naming_every_missi
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("SMPUnsupportedError smp_compat needs torch >= 2.8"), out
     assert FSDP2[2] in out and HOOKS[2] in out and "pip install 'torch>=2.8'" in out
+
+
+@pytest.mark.parametrize("version", ["2.8.0+cu128", "2.8.1"])
+def test_sharding_is_refused_where_fsdp2_trains_wrong(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.8 imports fine but its FSDP2 does not equal plain PyTorch: both sharding entry points refuse it."""
+    from torch import nn
+
+    from smp_compat.sdp.wrap import shard_module
+    from smp_compat.v2.fsdp.build import build
+
+    monkeypatch.setattr(torch, "__version__", version)
+    for shard, named in [(lambda: shard_module(nn.Linear(2, 2)), "sharded data parallelism"),
+                         (lambda: build(None, nn.Linear(2, 2)), "FullyShardedDataParallel")]:  # fmt: skip
+        with pytest.raises(SMPUnsupportedError, match=rf"{named}.* needs torch >= 2\.9.*{re.escape(version)}"):
+            shard()
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    check_sharding("sharded data parallelism")  # no error from 2.9

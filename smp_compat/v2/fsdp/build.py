@@ -27,6 +27,7 @@ from torch.distributed.fsdp.api import OptimStateDictConfig, StateDictConfig
 from torch.distributed.tensor import DTensor
 
 from smp_compat.errors import SMPUnsupportedError
+from smp_compat.host.torch_floor import check_sharding
 from smp_compat.v2.fsdp import broadcast, policies
 from smp_compat.v2.fsdp.context import Context
 from smp_compat.v2.fsdp.layout import FsdpLayout, resolve
@@ -61,6 +62,7 @@ def facade_state(module: nn.Module) -> FacadeState | None:
 
 def build(ctx: Context, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     """Shard ``module`` as the FSDP1 call describes; return it with FSDP1's attributes set."""
+    check_sharding("SMP v2's FullyShardedDataParallel (served by FSDP2)")
     kw = _keywords(args, kwargs)
     _refuse(kw)
     layout = resolve(ctx, kw.get("sharding_strategy"))
