@@ -11,17 +11,17 @@ import io
 import os
 import pickle
 import re
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from smp_compat.errors import CheckpointError, SMPError
 from smp_compat.globalstate import state
 from smp_compat.checkpoints import signing
+from smp_compat.checkpoints.atomic import atomic_save, atomic_write, fsync_dir, is_refusal
 from smp_compat.checkpoints.hf_configs import config_classes
 from smp_compat.checkpoints.load_policy import allow_harmless, is_trusted, refusal_message
 
@@ -37,49 +37,6 @@ def partial_path(f: str | os.PathLike[str], v3: bool = False, back_compat: bool 
         return f"{f}_{c.pp_rank}_{c.tp_rank}" if state.topology.tp_size > 1 else f"{f}_{c.mp_rank}"
     suffix = f"_{c.rdp_rank}" if v3 else ""
     return f"{f}_{c.pp_rank}_{c.tp_rank}{suffix}.pt"
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
-    """``write(file)`` into a temporary file beside ``path``, fsync, then rename: never a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
-
-
-def atomic_save(obj: Any, path: str | os.PathLike[str], **save_kwargs: Any) -> None:
-    """``torch.save`` through ``atomic_write``, then its keyed digest beside it (``signing``).
-
-    The digest is written second: a process killed between the two leaves a file whose digest does
-    not match, which safe loading still reads and anything more refuses.
-    """
-    mac = signing.new_mac(signing.user_key())
-    atomic_write(path, lambda handle: torch.save(obj, signing.DigestingWriter(handle, mac), **save_kwargs))
-    digest = mac.hexdigest()
-    atomic_write(signing.digest_path(path), lambda handle: handle.write(digest.encode("ascii")))
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def safe_load(
@@ -129,12 +86,6 @@ def _signed_bytes(path: Any) -> bytes | None:
         return None
     data = Path(path).read_bytes()
     return data if signing.verifies(path, data) else None
-
-
-def is_refusal(exc: pickle.UnpicklingError) -> bool:
-    """torch's safe unpickler refused a type; "Unsupported operand" means damaged bytes, not a refusal."""
-    text = str(exc)
-    return "WeightsUnpickler error" in text and "Unsupported operand" not in text
 
 
 @contextmanager

@@ -17,7 +17,6 @@ import functools
 import io
 import os
 import pickle
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,10 @@ from typing import Any
 import torch
 
 from smp_compat.checkpoints import signing
+from smp_compat.checkpoints.atomic import atomic_save, is_refusal
 from smp_compat.checkpoints.load_policy import allow_harmless
 
-__all__ = ["install", "signed_save", "STOCK"]
+__all__ = ["install", "STOCK"]
 
 STOCK: dict[str, Callable[..., Any]] = {}
 _MARK = "__smp_compat_v2_wrapper__"
@@ -39,41 +39,13 @@ def _active() -> bool:
     return v2_initialized()
 
 
-def signed_save(obj: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename; then the digest, the same way."""
-    target = Path(path)
-    mac = signing.new_mac(signing.user_key())
-    _atomic(target, lambda handle: STOCK["save"](obj, signing.DigestingWriter(handle, mac), **kwargs))
-    digest = mac.hexdigest().encode("ascii")
-    _atomic(signing.digest_path(target), lambda handle: handle.write(digest))
-
-
-def _atomic(target: Path, write: Callable[[Any], Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _is_refusal(exc: BaseException) -> bool:
-    """torch's safe unpickler refused a type ("Unsupported operand" means damaged bytes instead)."""
-    text = str(exc)
-    return "WeightsUnpickler error" in text and "Unsupported operand" not in text
-
-
 def _save_wrapper() -> Callable[..., Any]:
     stock = STOCK["save"]
 
     @functools.wraps(stock)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
         if not args and isinstance(f, (str, os.PathLike)) and _active():
-            return signed_save(obj, f, **kwargs)
+            return atomic_save(obj, f, **kwargs)  # its torch.save gets a file object: stock
         return stock(obj, f, *args, **kwargs)
 
     setattr(save, _MARK, True)
@@ -91,13 +63,13 @@ def _load_wrapper() -> Callable[..., Any]:
         try:
             return stock(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
-            if not _is_refusal(exc):
+            if not is_refusal(exc):
                 raise
         try:  # data-only objects (a Hugging Face config, Namespace, ...): no key needed, as for v1 files
             with allow_harmless(f):
                 return stock(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
-            if not _is_refusal(exc):
+            if not is_refusal(exc):
                 raise
             data = Path(f).read_bytes()  # read once: what is checked is what loads
             if not signing.verifies(f, data):
