@@ -3,8 +3,6 @@
 Below it, a missing API would surface as an ImportError or AttributeError deep inside a step; here it is one
 SMPUnsupportedError naming the features and the version they need. This floor is where those APIs exist;
 pyproject.toml asks for the oldest torch the whole suite passed on (higher: docs/versions.md has the runs).
-Between the two, where a torch has the APIs but trains a feature wrong (FSDP2 under 2.8; 16-bit FSDP2 under
-2.9 - 2.11), ``check_sharding`` refuses that feature when it starts, rather than training silently wrong.
 """
 
 from __future__ import annotations
@@ -13,14 +11,11 @@ import torch
 
 from smp_compat.errors import SMPUnsupportedError
 
-__all__ = ["SHARDING_FLOOR", "SIXTEEN_BIT_SHARDING_FLOOR", "TORCH_FLOOR", "check_sharding", "check_torch"]
+__all__ = ["SHARDING_FLOOR", "TORCH_FLOOR", "check_sharding", "check_torch"]
 
 TORCH_FLOOR = "2.8"
 SHARDING_FLOOR = "2.9"
 """FSDP2 exists under 2.8 but does not equal plain PyTorch there (tests/sdp, docs/versions.md): refused, not run."""
-SIXTEEN_BIT_SHARDING_FLOOR = "2.12"
-"""Under 2.9 - 2.11, SMP v1's 16-bit sharded model (bf16 parameters, fp32 masters) trains far from its 16-bit
-reference (tests/sdp/test_sdp_16bit.py: 0.88 apart after a few steps); 2.12 equals it."""
 
 
 def _missing() -> list[str]:
@@ -48,10 +43,10 @@ def check_torch() -> None:
             f"{'; '.join(missing)} need. pip install 'torch>={TORCH_FLOOR}'")  # fmt: skip
 
 
-def check_sharding(feature: str, floor: str = SHARDING_FLOOR) -> None:
-    """SMPUnsupportedError where this torch's FSDP2 trains ``feature`` measurably wrong: before any ``fully_shard``."""
-    if torch.torch_version.TorchVersion(torch.__version__) < floor:
+def check_sharding(feature: str) -> None:
+    """SMPUnsupportedError where this torch's FSDP2 trains measurably wrong (2.8): before any ``fully_shard``."""
+    if torch.torch_version.TorchVersion(torch.__version__) < SHARDING_FLOOR:
         raise SMPUnsupportedError(
-            f"{feature} needs torch >= {floor}: under torch {torch.__version__}, FSDP2 (fully_shard) does not "
-            f"train it equal to its single-process reference (docs/versions.md). pip install 'torch>={floor}'"
+            f"{feature} needs torch >= {SHARDING_FLOOR}: under torch {torch.__version__}, FSDP2 (fully_shard) "
+            f"does not train equal to plain PyTorch (docs/versions.md). pip install 'torch>={SHARDING_FLOOR}'"
         )

@@ -22,7 +22,7 @@ from smp_compat.stepping import grads
 from smp_compat.memory.materialize import check_initialized, materialize_local
 from smp_compat.errors import StepUsageError
 from smp_compat.globalstate import process_group, state
-from smp_compat.host.torch_floor import SIXTEEN_BIT_SHARDING_FLOOR, check_sharding
+from smp_compat.host.torch_floor import check_sharding
 from smp_compat.precision.module16 import sixteen_bit_dtype
 from smp_compat.sdp.masters import sixteen_bit_training, upcast_parameters
 from smp_compat.sdp.mesh import build_mesh
@@ -122,9 +122,6 @@ def mixed_precision() -> MixedPrecisionPolicy:
 def shard_module(root: nn.Module, broadcast_buffers: bool = True) -> list[nn.Module]:
     """Materialize (if delayed), make replicas equal, and ``fully_shard`` each unit then the root."""
     check_sharding("sharded data parallelism (sharded_data_parallel_degree)")
-    if sixteen_bit_training():
-        check_sharding("16-bit sharded data parallelism (fp16/bf16 with sharded_data_parallel_degree)",
-                       SIXTEEN_BIT_SHARDING_FLOOR)  # fmt: skip
     mesh = build_mesh()
     policy = mixed_precision()
     units = choose_units(root)

@@ -66,19 +66,3 @@ def test_sharding_is_refused_where_fsdp2_trains_wrong(version: str, monkeypatch:
             shard()
     monkeypatch.setattr(torch, "__version__", "2.9.1")
     check_sharding("sharded data parallelism")  # no error from 2.9
-
-
-@pytest.mark.parametrize(("version", "refused"), [("2.9.1", True), ("2.11.0", True), ("2.12.1", False)])
-def test_16_bit_sharding_is_refused_where_it_trains_wrong(version: str, refused: bool,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """2.9 - 2.11 train SMP v1's bf16 sharded model far from its 16-bit reference: refused there, from 2.12 run."""
-    from torch import nn
-
-    from smp_compat.sdp import wrap
-
-    monkeypatch.setattr(torch, "__version__", version)
-    monkeypatch.setattr(wrap, "sixteen_bit_training", lambda: True)
-    monkeypatch.setattr(wrap, "build_mesh", lambda: (_ for _ in ()).throw(LookupError("past the checks")))
-    with pytest.raises(SMPUnsupportedError if refused else LookupError,
-                       match=r"16-bit sharded data parallelism.* needs torch >= 2\.12" if refused else "past"):  # fmt: skip
-        wrap.shard_module(nn.Linear(2, 2))
