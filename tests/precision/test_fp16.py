@@ -146,6 +146,9 @@ def _bf16_adagrad_with_added_groups() -> dict:
             "state": {i: (s["sum"].dtype, float(s["step"])) for i, s in sd["state"].items()}}  # fmt: skip
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.12",
+                    reason="torch < 2.12's Adagrad makes state only in __init__: a group added by add_param_group "
+                    "fails plain PyTorch the same way (KeyError: 'sum', pytorch/pytorch#53712)")  # fmt: skip
 def test_bf16_groups_added_before_partitioning_train_and_later_ones_are_refused() -> None:
     (r,) = run_ranks(_bf16_adagrad_with_added_groups, 1, timeout=60)
     assert r["groups"] == [[0, 1], [2, 3]]

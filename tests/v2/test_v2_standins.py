@@ -53,7 +53,8 @@ def test_launched_process_imports_every_standin_once_announced(tmp_path) -> None
         """,
         [str(other)],
     )
-    assert done.stdout.split() == ["False", "1", "True", "gloo"]
+    printed = [line for line in done.stdout.splitlines() if not line.startswith("[Gloo] ")]  # torch 2.9, 2.10
+    assert " ".join(printed).split() == ["False", "1", "True", "gloo"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("smp_compat: ")]
     assert len(lines) == 4, done.stderr  # transformer_engine, megatron, fp8 (once for two blocks), smddp
     assert any('backend "smddp"' in line and '"gloo"' in line for line in lines)
