@@ -50,10 +50,11 @@ class DelayedParamIniter:
         def param_init_fn(module: nn.Module) -> None:
             if not _has_meta(module):
                 return
-            with whole_during_init(module, _device()):  # tp pieces: initialized whole, then cut
-                _materialize(module, _device())
+            device = _device()
+            with whole_during_init(module, device):  # tp pieces: initialized whole, then cut
+                _materialize(module, device)
                 self._init(module)
-                _complete(module, _device())
+                _complete(module, device)
             if self.verbose:
                 print(f"DelayedParamIniter: initialized {type(module).__name__}")
 
