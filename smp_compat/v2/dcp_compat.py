@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -60,12 +61,21 @@ def group_rank(process_group: Any, coordinator_rank: int) -> int:
     return members.index(coordinator_rank)
 
 
+def _undeprecated(stock: Callable[..., Any]) -> tuple[Callable[..., Any], str | None]:
+    """torch's function under its ``@deprecated`` wrapper, and the wrapper's message: the wrapper would blame
+    this module's line for a call the script makes, so the message is given again at the script's line."""
+    message = getattr(stock, "__deprecated__", None)
+    return (getattr(stock, "__wrapped__", stock), message) if message else (stock, None)
+
+
 def _with_group_coordinator(name: str) -> Callable[..., Any]:
     """``save_state_dict`` / ``load_state_dict`` with ``coordinator_rank`` read as a global rank after init."""
-    stock = STOCK[name]
+    stock, deprecation = _undeprecated(STOCK[name])
 
-    @functools.wraps(stock)
+    @functools.wraps(STOCK[name])
     def wrapper(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        if deprecation:
+            warnings.warn(deprecation, FutureWarning, stacklevel=2)
         if not v2_initialized():
             return stock(state_dict, *args, **kwargs)
         from smp_compat.v2.distributed.checkpoint.group_view import copy_back, localize

@@ -52,6 +52,16 @@ def test_torch_attributes_are_wrapped_and_pass_through_before_init(monkeypatch) 
     assert seen == [{"process_group": "pg"}]  # unchanged: stock raises its own TypeError for it
 
 
+def test_torchs_deprecation_warning_names_the_scripts_line_not_the_wrapper(tmp_path: Path) -> None:
+    """AWS's scripts call the deprecated ``save_state_dict``: the warning is theirs to see, at their line."""
+    with pytest.warns(FutureWarning, match="save_state_dict` is deprecated") as caught:
+        dcp.save_state_dict({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    assert [w.filename for w in caught if w.category is FutureWarning] == [__file__]
+    loaded = {"w": torch.zeros(2)}
+    with pytest.warns(FutureWarning, match="load_state_dict` is deprecated"):
+        dcp.load_state_dict(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    assert torch.equal(loaded["w"], torch.ones(2))
+
 def _coordinator_body() -> list[int]:
     import torch.distributed as dist
 
