@@ -138,8 +138,10 @@ def _patch(optimizer: torch.optim.Optimizer) -> None:
         """This rank's parameters' state, marked ``_smp_is_partial``, with parameter names."""
         return optimizer_state.optimizer_local_state_dict(optimizer, original_state_dict)
 
-    def load_state_dict(state_dict: dict[str, Any]) -> None:
-        """Full or partial dict; applied once the model is partitioned."""
+    def load_state_dict(state_dict: dict[str, Any], gather_if_shard: bool = True) -> None:
+        """Full or partial dict; applied once the model is partitioned. ``gather_if_shard`` is SMP's second
+        argument (AWS's 2021-22 GPT-2 script passes it): a dict is matched by parameter name either way."""
+        del gather_if_shard
         optimizer_state.load_optimizer_state(optimizer, state_dict, original_load)
 
     def load_local_optimizer_state_dict(state_dict: dict[str, Any]) -> None:

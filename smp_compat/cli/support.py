@@ -230,7 +230,8 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         ("state_dict", _S, "", ""),
         ("local_state_dict", _S, "", ""),
         ("local_optimizer_state_dict", _S, "", ""),
-        ("load_state_dict", _S, "Full or partial dicts.", ""),
+        ("load_state_dict", _S, "Full or partial dicts. SMP's second argument, gather_if_shard (AWS's 2021-22 "
+         "GPT-2 script passes it), is accepted: the dict is matched by parameter name either way.", ""),
         ("load_local_optimizer_state_dict", _S, "", ""),
         ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper) or sharded data "
          "parallelism, as in SMP.",
