@@ -134,12 +134,17 @@ def _patch(optimizer: torch.optim.Optimizer) -> None:
         """Plain torch format over every parameter; collective over the pipeline group once partitioned."""
         return optimizer_state.optimizer_state_dict(optimizer, original_state_dict, gather_to_rank0, cast_to_cpu)
 
-    def local_state_dict(**_: Any) -> dict[str, Any]:
-        """This rank's parameters' state, marked ``_smp_is_partial``, with parameter names."""
-        return optimizer_state.optimizer_local_state_dict(optimizer, original_state_dict)
+    def local_state_dict(gather_if_shard: bool = False, **_: Any) -> dict[str, Any]:
+        """This rank's parameters' state, marked ``_smp_is_partial``, with parameter names. With
+        ``shard_optimizer_state``, ``gather_if_shard=True`` adds the other rdp ranks' shares, for a script that
+        saves from rdp_rank 0 only: a collective over the rdp group, so every rank calls it."""
+        return optimizer_state.optimizer_local_state_dict(optimizer, original_state_dict, gather_if_shard)
 
-    def load_state_dict(state_dict: dict[str, Any]) -> None:
-        """Full or partial dict; applied once the model is partitioned."""
+    def load_state_dict(state_dict: dict[str, Any], gather_if_shard: bool = True) -> None:
+        """Full or partial dict; applied once the model is partitioned. ``gather_if_shard`` is SMP's second
+        argument (AWS's 2021-22 GPT-2 script passes it): each rank takes its own share's state by parameter
+        name, from a gathered dict or from its own share's."""
+        del gather_if_shard
         optimizer_state.load_optimizer_state(optimizer, state_dict, original_load)
 
     def load_local_optimizer_state_dict(state_dict: dict[str, Any]) -> None:

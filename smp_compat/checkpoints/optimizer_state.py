@@ -23,8 +23,9 @@ from smp_compat.checkpoints.state_dicts import (
     to_cpu,
     to_device,
 )
+from smp_compat.comm import all_gather_objects
 from smp_compat.errors import CheckpointError
-from smp_compat.globalstate import state
+from smp_compat.globalstate import process_group, state
 
 __all__ = [
     "apply_pending_optimizer_loads",
@@ -95,14 +96,38 @@ def _current_params(optimizer: torch.optim.Optimizer) -> tuple[list[str], set[in
     return names, mine
 
 
-def optimizer_local_state_dict(optimizer: torch.optim.Optimizer, original_state_dict: Callable[[], dict]) -> dict:
+def optimizer_local_state_dict(
+    optimizer: torch.optim.Optimizer, original_state_dict: Callable[[], dict], gather_if_shard: bool = False
+) -> dict:
     """Torch's dict with the state of this rank's parameters only, marked partial, with parameter names.
 
     The names (one per torch index) let the state find its parameters again after a restart or
     under another partition, and let the parts be merged into one plain dict. Indices and groups are the
     user's optimizer's even where sharding or fp16 masters changed this rank's groups: every part then
     describes the same optimizer, so merged parts keep the user's parameter order and group membership.
+    ``gather_if_shard`` (SMP's argument) with ``shard_optimizer_state``: the state of every rdp rank's share.
     """
+    sd = _local_state_dict(optimizer, original_state_dict)
+    if gather_if_shard and state.cfg.shard_optimizer_state and state.topology.rdp_size > 1:
+        sd = _with_every_share(optimizer, sd)
+    return sd
+
+
+def _with_every_share(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+    """Collective over the rdp group: the states of all rdp ranks' shares of this (pp, tp) rank's parameters,
+    as one dict, as SMP gathered them for a script that saves from rdp_rank 0 only (AWS's GPT-2 script)."""
+    mine = {sd[PARAM_NAMES_KEY][i]: to_cpu(s) for i, s in sd["state"].items()}
+    device = state.device if state.backend == "nccl" else torch.device("cpu")
+    named: dict[str, Any] = {}
+    for part in all_gather_objects(mine, process_group("rdp"), state.topology.rdp_size, device):
+        named.update(part)
+    flat = list(chain.from_iterable(_full_groups(optimizer)))
+    out = {k: v for k, v in sd.items() if k not in ("state", "param_groups", PARAM_NAMES_KEY)}
+    return {**out, **_plain_dict(optimizer, named), PARAM_NAMES_KEY: flat}
+
+
+def _local_state_dict(optimizer: torch.optim.Optimizer, original_state_dict: Callable[[], dict]) -> dict:
+    """This rank's own entries (see ``optimizer_local_state_dict``)."""
     sd = dict(original_state_dict())
     names, mine = _current_params(optimizer)
     sd["state"] = {i: s for i, s in sd["state"].items() if i in mine}

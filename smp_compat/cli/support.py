@@ -228,9 +228,12 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
         ("step", _S, "", ""),
         ("zero_grad", _S, "", ""),
         ("state_dict", _S, "", ""),
-        ("local_state_dict", _S, "", ""),
+        ("local_state_dict", _S, "With shard_optimizer_state this rank's share; gather_if_shard=True adds every "
+         "rdp rank's share (a collective over the rdp group: every rank calls it), for a script that saves from "
+         "rdp_rank 0 only, as AWS's 2021-22 GPT-2 script does.", ""),
         ("local_optimizer_state_dict", _S, "", ""),
-        ("load_state_dict", _S, "Full or partial dicts.", ""),
+        ("load_state_dict", _S, "Full or partial dicts. SMP's second argument, gather_if_shard, is accepted: each "
+         "rank takes its own share's state by parameter name, from a gathered dict or its own share's.", ""),
         ("load_local_optimizer_state_dict", _S, "", ""),
         ("clip_master_grads", _P, "Exists only with fp16 or bf16 on (the master-weight wrapper) or sharded data "
          "parallelism, as in SMP.",

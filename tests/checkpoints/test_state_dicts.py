@@ -310,7 +310,9 @@ def test_pp1_state_dicts_are_plain_pytorch() -> None:
     assert opt.local_state_dict()["_smp_param_names"] == ["lin.weight", "lin.bias", "norm.weight", "norm.bias"]
 
 
-def test_pp1_loads_are_deferred_to_the_first_step_and_survive_exactly() -> None:
+# AWS's 2021-22 GPT-2 script passes SMP's second argument: optimizer.load_state_dict(sd, args.gather_if_shard)
+@pytest.mark.parametrize("extra", [(), (1,)], ids=["sd", "sd_gather_if_shard"])
+def test_pp1_loads_are_deferred_to_the_first_step_and_survive_exactly(extra: tuple[int, ...]) -> None:
     model, opt, step = _pp1()
     _run(model, opt, step, 3)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.local_state_dict())  # live views
@@ -319,7 +321,7 @@ def test_pp1_loads_are_deferred_to_the_first_step_and_survive_exactly() -> None:
     smp.reset()
     model, opt, step = _pp1(seed=1)
     model.load_state_dict(saved_model)
-    opt.load_state_dict(saved_opt)
+    opt.load_state_dict(saved_opt, *extra)
     assert not torch.equal(model.module.lin.weight, saved_model["lin.weight"])  # not copied yet
     assert len(opt.state) == 0
     _run(model, opt, step, 1)

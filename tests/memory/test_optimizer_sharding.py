@@ -7,7 +7,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import lm_train_step, make_model, place_blocks_by_stage, plain_training, reference_training, train_smp
+from models import (
+    lm_train_step,
+    make_batches,
+    make_model,
+    place_blocks_by_stage,
+    plain_training,
+    reference_training,
+    train_smp,
+)
 from smp_compat.checkpoints.optimizer_state import merge_optimizer_parts
 from smp_compat.testing import run_ranks
 
@@ -82,3 +90,49 @@ def test_sharded_adagrad_keeps_only_its_share_and_merges_into_plain_torchs_dict(
     for index, value in expected["state"].items():
         torch.testing.assert_close(merged["state"][index]["sum"], value["sum"], rtol=1e-5, atol=1e-6)
         assert merged["state"][index]["step"] == value["step"]
+
+
+def _save_gathered(steps: int) -> dict:
+    """AWS's 2021-22 GPT-2 script: every rank calls local_state_dict(gather_if_shard=1), rdp_rank 0 saves it."""
+    import smp_compat as smp
+
+    smp.init({"microbatches": 2, "ddp": True, "shard_optimizer_state": True})
+    model = smp.DistributedModel(make_model())
+    opt = smp.DistributedOptimizer(_adam(model))
+    train_smp(smp, model, opt, lm_train_step(smp), steps, GLOBAL_BATCH)
+    return {"model": model.local_state_dict(), "own": opt.local_state_dict(), "gathered": opt.local_state_dict(gather_if_shard=1)}
+
+
+def _resume_from(saved: dict, steps: int, more: int) -> dict:
+    """A new job: every rank loads rdp_rank 0's file, as the script does, and trains ``more`` steps."""
+    import smp_compat as smp
+
+    smp.init({"microbatches": 2, "ddp": True, "shard_optimizer_state": True})
+    model = smp.DistributedModel(make_model(seed=5))
+    opt = smp.DistributedOptimizer(_adam(model))
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["gathered"], 1)  # the script's call: optimizer.load_state_dict(sd, args.gather_if_shard)
+    step, per_rank = lm_train_step(smp), GLOBAL_BATCH // smp.dp_size()
+    for x, y in make_batches(steps + more, GLOBAL_BATCH)[steps:]:
+        opt.zero_grad()
+        step(model, *(t[smp.dp_rank() * per_rank : (smp.dp_rank() + 1) * per_rank] for t in (x, y)))
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.local_named_parameters()}
+
+
+def test_gather_if_shard_saves_every_share_and_a_resume_from_rdp_rank0s_file_continues_exactly() -> None:
+    saved = run_ranks(_save_gathered, 2, STEPS, timeout=120)
+    names = {n for n, _ in make_model().named_parameters()}
+    merged = merge_optimizer_parts([r["own"] for r in saved])
+    for r in saved:  # each rank's dict holds both shares: what the other rank's own part holds, bitwise
+        gathered = r["gathered"]
+        assert {gathered["_smp_param_names"][i] for i in gathered["state"]} == names
+        assert gathered["param_groups"] == merged["param_groups"]
+        for i, s in merged["state"].items():
+            j = gathered["_smp_param_names"].index(merged["_smp_param_names"][i])
+            assert all(torch.equal(v, gathered["state"][j][k]) for k, v in s.items())
+    resumed = run_ranks(_resume_from, 2, saved[0], STEPS, 2, timeout=120)
+    _, ref_state = reference_training(STEPS + 2, GLOBAL_BATCH)
+    for r in resumed:
+        for name, value in r.items():
+            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -108,6 +108,9 @@ def test_translate_round_trip_and_mask_buffers() -> None:
         assert torch.equal(back[k], v), k
     with_buffers = gpt2.translate_state_dict_to_hf_gpt2(ours, max_seq_len=tm.SEQ)
     assert with_buffers["transformer.h.0.attn.bias"].shape == (1, 1, tm.SEQ, tm.SEQ)
+    # the name AWS's 2021-22 GPT-2 script imports, called with the sequence length; HF's mask buffers are dropped
+    old_name = gpt2.translate_hf_state_dict_to_smdistributed(with_buffers, tm.SEQ)
+    assert old_name.keys() == ours.keys() and all(torch.equal(old_name[k], v) for k, v in ours.items())
 
 
 def _full_checkpoint(path: str) -> dict:

@@ -25,6 +25,7 @@ from smp_compat.nn.registry import register_builtin
 from smp_compat.nn.transformer import DistributedTransformer
 
 __all__ = ["DistributedGPT2Model", "register", "translate_hf_state_dict_to_smdistributed_gpt2",
+           "translate_hf_state_dict_to_smdistributed",
            "translate_state_dict_to_hf_gpt2", "get_hf_gpt2_transformer_layer_hooks"]  # fmt: skip
 
 
@@ -169,6 +170,15 @@ def _translate(state_dict: Mapping[str, Any], pattern: str, repl: str, convert: 
 def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
     """A full HF GPT-2 state dict -> the full state dict of the swapped model (``model.load_state_dict`` input)."""
     return _translate(state_dict, "h.", "seq_layers.", _hf_block_to_smp)
+
+
+def translate_hf_state_dict_to_smdistributed(
+    state_dict: Mapping[str, Any], max_seq_len: int | None = None
+) -> OrderedDict[str, Any]:
+    """The name AWS's 2021-22 GPT-2 script imports (``translate_hf_state_dict_to_smdistributed(sd, seq_length)``).
+    The causal-mask buffers ``max_seq_len`` sized are dropped on this side, so the length changes nothing."""
+    del max_seq_len
+    return translate_hf_state_dict_to_smdistributed_gpt2(state_dict)
 
 
 def translate_state_dict_to_hf_gpt2(
