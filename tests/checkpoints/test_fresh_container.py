@@ -5,8 +5,10 @@ A restarted pod or spot instance has an empty home, so the checkpoint key the fi
 and none of its digests verify. Its files hold only data (weights, optimizer state, the script's
 arguments, a Hugging Face config, numpy values, dates), so they must still load, and the resumed run must
 end bitwise where the uninterrupted one ended: SMP v1 partial checkpoints, full checkpoints, and
-``smp.save`` / ``smp.load``. (The SMP v2 formats are to join once they exist: their loaders go through
-``load_policy.allow_harmless(path)``, the same allow-list.)
+``smp.save`` / ``smp.load``. The SMP v2 types (sharded, local, async_sharded, async_local) resume in a fresh
+container in their own tests, tests/v2/test_v2_checkpoints.py: each resume there runs under another home
+(``fresh_home.fresh_container``, as here); the local type's plain ``torch.load`` goes through
+``load_policy.allow_harmless(path)``, the same allow-list.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 import transformers
 
 import smp_compat as smp
+from fresh_home import fresh_container
 from models import causal_mask, lm_loss, make_batches, make_model
-from smp_compat.checkpoints.signing import KEY_ENV, key_path
 from smp_compat.testing import run_ranks
 
 __all__: list[str] = []
@@ -31,15 +33,6 @@ __all__: list[str] = []
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # import torch._dynamo once, before forking
 
 N_STEPS, K_STEPS, GLOBAL_BATCH = 4, 2, 8
-
-
-def _container(home: str) -> Path:
-    """This process as a container whose home is ``home``: no key variable, no trust variable."""
-    os.environ.pop(KEY_ENV, None)
-    os.environ.pop("SMP_COMPAT_TRUST_CHECKPOINTS", None)
-    os.environ["HOME"] = home
-    os.environ["XDG_CONFIG_HOME"] = os.path.join(home, ".config")
-    return key_path()
 
 
 def _content(step: int) -> dict[str, Any]:
@@ -105,7 +98,7 @@ def _params(model: Any) -> dict[str, torch.Tensor]:
 
 def _first_attempt(directory: str, home: str, dp: int) -> dict[str, Any]:
     """The uninterrupted run: K steps, every kind of save, N - K more steps."""
-    key = _container(home)
+    key = fresh_container(home)
     smp.init(_config(dp))
     model, opt, train_step = _build()
     losses = _train(model, opt, train_step, 0, K_STEPS)
@@ -126,7 +119,7 @@ def _restarted(directory: str, home: str, dp: int) -> dict[str, Any]:
     The full and the partial checkpoint hold the same weights (both saved after step K), so whichever of
     their delayed loads lands last, the model is the same; the optimizer state comes from the partial one.
     """
-    key = _container(home)
+    key = fresh_container(home)
     smp.init(_config(dp))
     model, opt, train_step = _build()
     _assert_content(smp.resume_from_checkpoint(directory, tag="full", partial=False), K_STEPS)
@@ -162,7 +155,7 @@ def test_a_restart_in_a_fresh_container_resumes_bitwise_with_no_key_and_no_flag(
 
 def _shrunk(directory: str, home: str) -> dict[str, Any]:
     """pp 2 x dp 1, resuming a pp 2 x dp 2 checkpoint: each rank now takes the whole global batch."""
-    _container(home)
+    fresh_container(home)
     smp.init(_config(1))
     model, opt, train_step = _build()
     content = smp.resume_from_checkpoint(directory, tag="partial")

@@ -1,7 +1,8 @@
 """Rank bodies for the v2 checkpoint tests: a tiny FSDP2 (+ DTensor TP) model saved and resumed the way AWS's
 checkpoints.py does it (action ranks, global coordinator ranks, ``process_group`` keywords, tp{T}-{r} folders).
 
-Each ``job`` is one run of ``smp_compat.testing.run_ranks``: new processes, so a resume is a new job.
+Each ``job`` is one run of ``smp_compat.testing.run_ranks``: new processes, so a resume is a new job, and each
+runs in a container of its own (``fresh_home``): a resume never has the saving job's home, key or trust (issue 33).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-__all__ = ["Layout", "job"]
+from fresh_home import fresh_container
+
+__all__ = ["Layout", "job", "user_content"]
 
 WIDTH, HIDDEN, BATCH = 8, 16, 4
 
@@ -207,17 +210,28 @@ def load_async(method: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     return state
 
 
-def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: int,
+def user_content(step: int) -> dict[str, Any]:
+    """What train_lib.py merges into every checkpoint: counters, the script's arguments, its Hugging Face config."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=WIDTH, intermediate_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2)
+    return {"total_steps": step, "note": "v2ckpt", "cli_args": {"lr": 1e-2, "checkpoint_dir": ["/opt/ml/checkpoints"]},
+            "model_config": config}  # fmt: skip
+
+
+def job(kind: str, layout: Layout, folder: str, home: str, seed: int, save_at: int, steps: int,
         method: str = "sharded") -> dict[str, Any]:  # fmt: skip
-    """Train ``steps`` steps, checkpointing after ``save_at`` (kind "save"), or resume from the folder (kind "resume").
+    """Train ``steps`` steps, checkpointing after ``save_at`` (kind "save"), or resume from the folder (kind "resume"),
+    in a container whose home is ``home`` (a resume's is not the save's: no key, nothing exported, no flag).
 
     ``method``: "sharded", or "async_sharded" / "async_local" (a second save at the last step checks that the
     queue finalizes the first, then the training ends with a blocking finalize).
     """
+    key = fresh_container(home)
     model, optimizer, mesh = build(layout, seed)
     if kind == "save":
         first = train(model, optimizer, mesh, range(save_at))
-        extra = {"total_steps": save_at, "note": "v2ckpt"}
+        extra = user_content(save_at)
         if method == "sharded":
             save_sharded(model, optimizer, mesh, layout, folder, extra)
             saved = full_params(model)
@@ -233,7 +247,7 @@ def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: 
             queue.maybe_finalize_async_calls(blocking=True, process_group=None)
             assert queue.get_num_unfinalized_calls() == 0
         return {"losses": first + rest, "saved": saved if dist.get_rank() == 0 else None}
-    counters: dict[str, Any] = {"total_steps": 0, "note": ""}
+    counters: dict[str, Any] = {"total_steps": 0, "note": "", "model_config": None}
     if method == "sharded":
         state = load_sharded(model, optimizer, mesh, layout, folder, counters)
     else:
@@ -241,4 +255,5 @@ def job(kind: str, layout: Layout, folder: str, seed: int, save_at: int, steps: 
     loaded = full_params(model)
     done = int(state["total_steps"])
     return {"losses": train(model, optimizer, mesh, range(done, steps)), "done": done, "note": state["note"],
-            "loaded": loaded if dist.get_rank() == 0 else None}
+            "config": state["model_config"].to_dict(), "key_made": key.exists(),
+            "loaded": loaded if dist.get_rank() == 0 else None}  # fmt: skip

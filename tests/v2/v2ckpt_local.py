@@ -1,5 +1,6 @@
 """checkpoints.py's ``local`` type through the FSDP façade: per-rank ``torch.save`` under LOCAL_STATE_DICT (with
-the Hugging Face config in the user content) and, in a new job, ``load_with_process_group`` + plain ``torch.load``."""
+the Hugging Face config in the user content) and, in a new job in a fresh container (another home: the saving job's
+key is gone, so its digests verify nothing), ``load_with_process_group`` + plain ``torch.load``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 import torch.distributed as dist
 
 import fsdp_job
+from fresh_home import fresh_container
 
 __all__ = ["local_job"]
 
 
-def local_job(kind: str, folder: str, save_at: int, steps: int) -> dict[str, Any]:
+def local_job(kind: str, folder: str, home: str, save_at: int, steps: int) -> dict[str, Any]:
+    key = fresh_container(home)
     import torch.sagemaker.checkpoint.utils  # noqa: F401  (as checkpoints.py, before torch's checkpoint imports)
     from torch.distributed._shard.api import load_with_process_group
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -34,7 +37,7 @@ def local_job(kind: str, folder: str, save_at: int, steps: int) -> dict[str, Any
         os.makedirs(folder, exist_ok=True)
         torch.save(state, path)
         rest = fsdp_job.train_steps(model, optimizer, dp_rank, range(save_at, steps))
-        return {"losses": first + rest}
+        return {"losses": first + rest, "signed": key.is_file()}
     with load_with_process_group(model.process_group):
         state = torch.load(path)
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
@@ -42,4 +45,4 @@ def local_job(kind: str, folder: str, save_at: int, steps: int) -> dict[str, Any
         optimizer.load_state_dict(state["optimizer"])
     done = state["total_steps"]
     return {"losses": fsdp_job.train_steps(model, optimizer, dp_rank, range(done, steps)), "done": done,
-            "config": type(state["model_config"]).__name__}
+            "config": type(state["model_config"]).__name__, "key_made": key.exists()}
