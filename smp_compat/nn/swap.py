@@ -32,6 +32,10 @@ def swap_modules(root: nn.Module) -> nn.Module:
     Built-in registrations are not installed here: a module can only be marked once they are (by the
     tensor_parallelism context or set_tensor_parallelism), so scripts without tp never import HF models.
     """
+    if "transformers" in sys.modules and _has_swappable(root):
+        from smp_compat.nn.huggingface.skipped_init import initialize_if_skipped
+
+        initialize_if_skipped(root)  # the script skipped Hugging Face's init because SMP's swap re-initialized
     counts = _param_use_counts(root)
     replaced = _maybe_replace(root, "", counts)
     if replaced is not None:
@@ -50,6 +54,11 @@ def swap_modules(root: nn.Module) -> nn.Module:
                     type(root).__name__)  # fmt: skip
     registry.requested = False  # consumed: one model per process, and tests that build several stay independent
     return root
+
+
+def _has_swappable(root: nn.Module) -> bool:
+    """Whether a module under ``root`` is marked for tensor parallelism and has a distributed version."""
+    return any((mark_of(m) or (False,))[0] and lookup(type(m)) is not None for m in root.modules())
 
 
 def _add_smp_paths(root: nn.Module) -> None:

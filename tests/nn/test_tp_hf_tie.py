@@ -121,11 +121,14 @@ def _train_gpt2(tp: int, pp: int, directory: str) -> dict[str, Any]:
 
 
 def _reference_gpt2() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Stock Hugging Face with the same no-op init_weights, tied as its config says."""
+    """Stock Hugging Face built under the same no-op init_weights, then initialized and tied as its config says
+    (what ``DistributedModel`` does for a model the script left uninitialized for SMP's swap)."""
 
     def build() -> torch.nn.Module:
         with _no_op_init_weights_here():
             model = _gpt2()
+        init = getattr(model, "initialize_weights", None)  # transformers 5; 4.x: apply(_initialize_weights)
+        init() if callable(init) else model.apply(model._initialize_weights)
         model.tie_weights()
         return model
 
