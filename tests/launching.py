@@ -106,9 +106,11 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     would leave a hung job's workers running (holding ports and CPU) after the test. The group is
     stopped first so that it cannot start another worker while its tree is read.
     """
-    os.killpg(proc.pid, signal.SIGSTOP)
+    with contextlib.suppress(ProcessLookupError):  # it may have ended since it was polled
+        os.killpg(proc.pid, signal.SIGSTOP)
     below = _descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     for pid in below:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             group = os.getpgid(pid)
