@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -71,13 +72,50 @@ def run_all(commands: Sequence[tuple[list[str], Mapping[str, str]]], tmp_path: P
         except subprocess.TimeoutExpired:
             timed_out = True
             break
-    for proc in procs:  # whole process groups: torchrun's workers too
+    for proc in procs:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_tree(proc)
     report = "\n".join(
         f"--- process {i} ({shlex.join(cmd)}) exited {proc.returncode}:\n{log.read_text()[-4000:]}"
         for i, ((cmd, _), proc, log) in enumerate(zip(commands, procs, logs, strict=True))
     )
     assert not timed_out, f"timed out after {TIMEOUT_S} s\n{report}"
     assert all(proc.returncode == 0 for proc in procs), report
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (read from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a launched command, its process group and every process below it.
+
+    torch elastic starts each worker in a session of its own, so killing the launcher's group alone
+    would leave a hung job's workers running (holding ports and CPU) after the test. The group is
+    stopped first so that it cannot start another worker while its tree is read.
+    """
+    with contextlib.suppress(ProcessLookupError):  # it may have ended since it was polled
+        os.killpg(proc.pid, signal.SIGSTOP)
+    below = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            if group in (os.getpgrp(), proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            else:  # a worker's own session: its children too
+                os.killpg(group, signal.SIGKILL)
+    proc.wait()

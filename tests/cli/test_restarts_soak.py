@@ -1,15 +1,17 @@
 """Issue 33's done-when: a rank killed mid-training under ``smp-compat run --max-restarts 1`` resumes from the
-newest checkpoint and ends equal to the uninterrupted run, 10 times of 10.
+newest checkpoint and ends equal to the uninterrupted run, 10 times of 10; and the same on two nodes.
 
 Slow (two torchrun attempts per round), so it is marked ``soak``: left out of the default run, run by
-``.ci/run`` as a step of its own (``python -m pytest -q -m soak``). Rounds alternate torchrun's static
-rendezvous (its default) and ``--standalone`` (c10d): both used to fail most restarts in ``Gloo
-connectFullMesh ... Connection refused`` (docs/design.md, "Restarts").
+``.ci/run`` as a step of its own (``python -m pytest -q -m soak``). The one-node rounds alternate torchrun's
+static rendezvous (its default) and ``--standalone`` (c10d): both used to fail most restarts in ``Gloo
+connectFullMesh ... Connection refused``. The two-node rounds are two launchers on this host (``--nnodes 2``,
+one process each), static and c10d rendezvous (docs/design.md, "Restarts").
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +27,62 @@ __all__: list[str] = []
 
 SCRIPT = ROOT / "tests" / "fixtures" / "preemption" / "resume_newest.py"
 ROUNDS, STEPS, DIE_AT = 10, 4, 2
+TIMEOUT_S = 300  # two attempts; 20-80 s a round on the shared 2-core machine
+
+Launchers = list[list[str]]
+"""The torchrun options of each launcher of one job (one list: one node)."""
+Result = dict[int, dict[str, Any]]
 
 
-def _job(tmp_path: Path, name: str, rendezvous: list[str], *script_args: str) -> dict[int, dict[str, Any]]:
-    """One ``smp-compat run`` job (pp 2 on 2 processes); each rank's result."""
-    folder = tmp_path / name
+@pytest.fixture(autouse=True)
+def _long_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launching, "TIMEOUT_S", TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Result:
+    """The uninterrupted run (one node, ``--standalone``): what every restarted job, on one node or two, must end at."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launching, "TIMEOUT_S", TIMEOUT_S)
+        result = _job(tmp_path_factory.mktemp("uninterrupted"), "job", _one_node(["--standalone"]))
+    assert all(r["attempt"] == 0 and r["started_at"] == 0 and len(r["losses"]) == STEPS for r in result.values())
+    return result
+
+
+def _one_node(rendezvous: list[str]) -> Launchers:
+    return [["--nproc-per-node", "2", *rendezvous]]
+
+
+def _two_nodes(backend: str) -> Launchers:
+    """Two launchers on this host as nodes 0 and 1 of one job (pp 2 across them), on a fresh port."""
+    port = free_port()
+    rendezvous = {
+        "static": ["--master-addr", "127.0.0.1", "--master-port", str(port)],
+        "c10d": ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"],
+    }[backend]
+    return [["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", *rendezvous] for node in (0, 1)]
+
+
+def _job(folder: Path, name: str, launchers: Launchers, *script_args: str) -> Result:
+    """One ``smp-compat run`` job (pp 2 on 2 processes), one command per launcher; each rank's result."""
+    folder = folder / name
     (folder / "out").mkdir(parents=True)
-    cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--max-restarts", "1", *rendezvous, str(SCRIPT),
-           "--checkpoint-dir", str(folder / "ckpt"), "--out", str(folder / "out"), "--steps", str(STEPS),
-           *script_args]  # fmt: skip
-    run_all([(cmd, clean_env())], folder)
+    commands = [([*smp_compat_command(), "run", "--max-restarts", "1", *options, str(SCRIPT), "--checkpoint-dir",
+                  str(folder / "ckpt"), "--out", str(folder / "out"), "--steps", str(STEPS), *script_args],
+                 clean_env()) for options in launchers]  # fmt: skip
+    run_all(commands, folder)
     return {r: torch.load(folder / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)}
 
 
-def _rendezvous(i: int) -> list[str]:
-    return ["--master-port", str(free_port())] if i % 2 == 0 else ["--standalone"]
+def _mismatch(reference: Result, result: Result, attempts: dict[int, set[int]]) -> str | None:
+    """Why ``result`` is not a job restarted at step ``DIE_AT`` and equal to ``reference`` (None when it is).
 
-
-def _mismatch(reference: dict[int, dict[str, Any]], result: dict[int, dict[str, Any]]) -> str | None:
-    """Why ``result`` is not a restarted run equal to ``reference`` (None when it is)."""
+    ``attempts``: the ``TORCHELASTIC_RESTART_COUNT`` each rank's last attempt may have seen.
+    """
     for rank, ours in result.items():
-        if (ours["attempt"], ours["started_at"]) != (1, DIE_AT):
-            return f"rank {rank}: attempt {ours['attempt']} started at step {ours['started_at']}, not 1 at {DIE_AT}"
+        if ours["started_at"] != DIE_AT or ours["attempt"] not in attempts[rank]:
+            return (f"rank {rank}: attempt {ours['attempt']} started at step {ours['started_at']}, "
+                    f"not one of {sorted(attempts[rank])} at {DIE_AT}")  # fmt: skip
         if ours["losses"] != reference[rank]["losses"]:
             return f"rank {rank}: losses {ours['losses']} != {reference[rank]['losses']}"
         for name, value in reference[rank]["params"].items():
@@ -55,38 +91,61 @@ def _mismatch(reference: dict[int, dict[str, Any]], result: dict[int, dict[str, 
     return None
 
 
-def _round(tmp_path: Path, i: int, reference: dict[int, dict[str, Any]]) -> tuple[str | None, int]:
-    """(why round ``i`` failed or None, how many times its port was taken before torchrun could bind it).
+def _round(
+    folder: Path, name: str, launchers: Callable[[], Launchers], die_rank: int
+) -> tuple[Result | str, int]:
+    """(each rank's result, or why the job failed; how many times its port was taken before torchrun bound it).
 
-    A static round's port comes from ``free_port``, which another process on a shared machine can take
-    before torchrun's agent binds it (EADDRINUSE before any worker starts): that round is started again
-    on another port, up to 3 times; any other failure counts.
+    A port comes from ``free_port``, which another process on a shared machine can take before torchrun's
+    agent binds it (EADDRINUSE before any worker starts): that job is started again on another port, up to
+    3 times; any other failure counts.
     """
     for taken in range(4):
         try:
-            result = _job(tmp_path, f"round{i}-{taken}", _rendezvous(i), "--die-at", str(DIE_AT))
-        except AssertionError as exc:  # the job failed or timed out: run_all's report
+            result = _job(folder, f"{name}-{taken}", launchers(), "--die-at", str(DIE_AT), "--die-rank", str(die_rank))
+        except AssertionError as exc:  # the job failed or timed out: run_all's report names the launcher
             if "EADDRINUSE" in str(exc) and "exitcode: 17" not in str(exc) and taken < 3:
                 continue
-            return str(exc)[-1500:], taken
-        return _mismatch(reference, result), taken
+            return str(exc)[-3000:], taken
+        return result, taken
     raise AssertionError("not reached")
 
 
-def test_a_killed_rank_restarts_from_the_newest_checkpoint_every_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(launching, "TIMEOUT_S", 300)  # two attempts; 20-80 s a round on the shared 2-core machine
-    reference = _job(tmp_path, "uninterrupted", ["--standalone"])
-    assert all(r["attempt"] == 0 and r["started_at"] == 0 and len(r["losses"]) == STEPS for r in reference.values())
+def _rendezvous(i: int) -> list[str]:
+    return ["--master-port", str(free_port())] if i % 2 == 0 else ["--standalone"]
+
+
+def test_a_killed_rank_restarts_from_the_newest_checkpoint_every_time(tmp_path: Path, reference: Result) -> None:
     failures, seconds, ports_taken = [], [], 0
     for i in range(ROUNDS):
         start = time.monotonic()
-        problem, taken = _round(tmp_path, i, reference)
+        result, taken = _round(tmp_path, f"round{i}", lambda i=i: _one_node(_rendezvous(i)), die_rank=1)
         seconds.append(time.monotonic() - start)
         ports_taken += taken
+        problem = result if isinstance(result, str) else _mismatch(reference, result, {0: {1}, 1: {1}})
         if problem:
             failures.append(f"round {i} ({_rendezvous(i)[0]}): {problem}")
     print(f"restart rounds: {ROUNDS - len(failures)}/{ROUNDS} passed, {sum(seconds):.0f} s "
           f"({min(seconds):.0f}-{max(seconds):.0f} s a round; ports taken before launch: {ports_taken})")  # fmt: skip
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    ("backend", "die_rank", "attempts"),
+    [
+        # static: every agent restarts only when its own worker fails, so both count 1 (the attempt prefix
+        # smp.init gives the process group is the same on both nodes); rank 0's node hosts the store
+        ("static", 0, {0: {1}, 1: {1}}),
+        # c10d: the survivor's agent may restart for the newcomer before its worker fails, keeping count 0
+        ("c10d", 1, {0: {0, 1}, 1: {1}}),
+    ],
+)
+def test_a_killed_rank_restarts_two_nodes(
+    tmp_path: Path, reference: Result, backend: str, die_rank: int, attempts: dict[int, set[int]]
+) -> None:
+    start = time.monotonic()
+    result, taken = _round(tmp_path, backend, lambda: _two_nodes(backend), die_rank)
+    problem = result if isinstance(result, str) else _mismatch(reference, result, attempts)
+    print(f"two nodes, {backend}, rank {die_rank} killed: {'failed' if problem else 'passed'} in "
+          f"{time.monotonic() - start:.0f} s (ports taken before launch: {taken})")  # fmt: skip
+    assert problem is None, f"{backend}, rank {die_rank} killed: {problem}"
