@@ -17,6 +17,7 @@ __all__ = [
     "LAUNCHERS",
     "LaunchEnv",
     "SHARE_STORE_ENV",
+    "STATIC_RENDEZVOUS_ENV",
     "attempt_prefix",
     "detect_launch",
     "expand_slurm_nodelist",
@@ -31,6 +32,10 @@ LAUNCHERS: tuple[str, ...] = ("torchrun", "mpi", "slurm", "none")
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torch elastic's switch: ``1`` gives every c10d rendezvous round a fresh store for the workers
 (``smp-compat run`` and ``smp-compat env`` set it; docs/design.md, "Restarts")."""
+
+STATIC_RENDEZVOUS_ENV = "SMP_COMPAT_STATIC_RENDEZVOUS"
+"""``1`` when ``smp-compat run`` started torchrun with its static rendezvous, which the workers cannot see:
+there every node's restart count is the same, whatever ``SHARE_STORE_ENV`` says."""
 
 _LOOPBACK = "127.0.0.1"
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -416,11 +421,13 @@ def attempt_prefix(env: Mapping[str, str]) -> str | None:
     with every key the failed attempt wrote, so a restarted rank can read a dead rank's address
     (pytorch/pytorch#135712). Keys under a prefix naming the attempt cannot collide. The restart count is
     the same on every node only when restarts follow failures alone: one agent, or a static rendezvous
-    (the agent store with ``SHARE_STORE_ENV=1``, which gives c10d rendezvous a fresh store instead).
+    (the agent store with ``SHARE_STORE_ENV=1``, which gives c10d rendezvous a fresh store instead, or
+    ``smp-compat run``'s word for it, ``STATIC_RENDEZVOUS_ENV``, when the user set the variable to 0).
     """
     count = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not count.isdigit() or int(count) == 0:
         return None
-    if env.get("GROUP_WORLD_SIZE") == "1" or env.get(SHARE_STORE_ENV) == "1":
+    static = env.get(SHARE_STORE_ENV) == "1" or env.get(STATIC_RENDEZVOUS_ENV) == "1"
+    if env.get("GROUP_WORLD_SIZE") == "1" or static:
         return f"smp_compat/attempt{int(count)}/"
     return None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from smp_compat.checkpoints.load_policy import TRUST_ENV, trust_value
 from smp_compat.cli.launch_config import LaunchConfig, SMPLaunch, choose_launch_config, launch_environment, resolve_smp
+from smp_compat.cli.restarts import rendezvous_environment
 from smp_compat.cli.run_args import NNODES_OPTIONS, NPROC_OPTIONS, local_world_size, node_count, option_value
 from smp_compat.cli.run_args import parse_run_argv
 from smp_compat.cli.run_job import (
@@ -80,6 +81,7 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     command = [sys.executable, "-m", "torch.distributed.run", *options, script, *job.script_args(), *script_args]
     env_updates = job_environment(job, estimator, env, launch_environment(smp, env))
     env_updates.update(_option_variables(ns, env))
+    env_updates.update(rendezvous_environment(options))
     return LaunchPlan(
         command=command,
         env_updates=env_updates,

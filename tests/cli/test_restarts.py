@@ -14,7 +14,7 @@ import pytest
 
 from smp_compat.cli import main
 from smp_compat.cli.run import plan_launch
-from smp_compat.launch import SHARE_STORE_ENV, attempt_prefix
+from smp_compat.launch import SHARE_STORE_ENV, STATIC_RENDEZVOUS_ENV, attempt_prefix
 
 __all__: list[str] = []
 
@@ -50,3 +50,16 @@ def test_only_a_restarted_attempt_on_the_agents_store_gets_a_prefix_every_node_a
     assert attempt_prefix(_elastic(1, nodes=2, **{SHARE_STORE_ENV: "1"})) == "smp_compat/attempt1/"  # static
     # several agents sharing a c10d store: a node restarted for a newcomer keeps its count, so counts can differ
     assert attempt_prefix(_elastic(1, nodes=2)) is None
+    # the user's 0 under torchrun's static rendezvous: smp-compat run says it is static, so the prefix stays
+    assert attempt_prefix(_elastic(1, nodes=2, **{SHARE_STORE_ENV: "0", STATIC_RENDEZVOUS_ENV: "1"})) == (
+        "smp_compat/attempt1/")
+    assert attempt_prefix(_elastic(1, nodes=2, **{SHARE_STORE_ENV: "0", STATIC_RENDEZVOUS_ENV: "0"})) is None
+
+
+@pytest.mark.parametrize(("options", "static"), [
+    ([], "1"), (["--master-port", "29500"], "1"), (["--rdzv-backend=static"], "1"), (["--standalone"], "0"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29500"], "0"), (["--rdzv_backend=etcd-v2"], "0"),
+])  # fmt: skip
+def test_run_tells_the_workers_whether_the_rendezvous_is_static(options: list[str], static: str) -> None:
+    env = plan_launch(["--nnodes", "2", *options, str(SCRIPT)], environ={SHARE_STORE_ENV: "0"}).env_updates
+    assert env[STATIC_RENDEZVOUS_ENV] == static

@@ -20,6 +20,7 @@ import torch
 
 import launching
 from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
+from smp_compat.launch import SHARE_STORE_ENV
 
 pytestmark = pytest.mark.soak
 
@@ -63,13 +64,14 @@ def _two_nodes(backend: str) -> Launchers:
     return [["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", *rendezvous] for node in (0, 1)]
 
 
-def _job(folder: Path, name: str, launchers: Launchers, *script_args: str) -> Result:
-    """One ``smp-compat run`` job (pp 2 on 2 processes), one command per launcher; each rank's result."""
+def _job(folder: Path, name: str, launchers: Launchers, *script_args: str, **env: str) -> Result:
+    """One ``smp-compat run`` job (pp 2 on 2 processes), one command per launcher (``env`` added to the
+    environment of each); each rank's result."""
     folder = folder / name
     (folder / "out").mkdir(parents=True)
     commands = [([*smp_compat_command(), "run", "--max-restarts", "1", *options, str(SCRIPT), "--checkpoint-dir",
                   str(folder / "ckpt"), "--out", str(folder / "out"), "--steps", str(STEPS), *script_args],
-                 clean_env()) for options in launchers]  # fmt: skip
+                 clean_env(**env)) for options in launchers]  # fmt: skip
     run_all(commands, folder)
     return {r: torch.load(folder / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)}
 
@@ -92,7 +94,7 @@ def _mismatch(reference: Result, result: Result, attempts: dict[int, set[int]]) 
 
 
 def _round(
-    folder: Path, name: str, launchers: Callable[[], Launchers], die_rank: int
+    folder: Path, name: str, launchers: Callable[[], Launchers], die_rank: int, **env: str
 ) -> tuple[Result | str, int]:
     """(each rank's result, or why the job failed; how many times its port was taken before torchrun bound it).
 
@@ -102,7 +104,8 @@ def _round(
     """
     for taken in range(4):
         try:
-            result = _job(folder, f"{name}-{taken}", launchers(), "--die-at", str(DIE_AT), "--die-rank", str(die_rank))
+            result = _job(folder, f"{name}-{taken}", launchers(), "--die-at", str(DIE_AT), "--die-rank", str(die_rank),
+                          **env)
         except AssertionError as exc:  # the job failed or timed out: run_all's report names the launcher
             if "EADDRINUSE" in str(exc) and "exitcode: 17" not in str(exc) and taken < 3:
                 continue
@@ -131,20 +134,22 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_every_time(tmp_path: 
 
 
 @pytest.mark.parametrize(
-    ("backend", "die_rank", "attempts"),
+    ("backend", "die_rank", "attempts", "env"),
     [
         # static: every agent restarts only when its own worker fails, so both count 1 (the attempt prefix
         # smp.init gives the process group is the same on both nodes); rank 0's node hosts the store
-        ("static", 0, {0: {1}, 1: {1}}),
+        ("static", 0, {0: {1}, 1: {1}}, {}),
         # c10d: the survivor's agent may restart for the newcomer before its worker fails, keeping count 0
-        ("c10d", 1, {0: {0, 1}, 1: {1}}),
+        ("c10d", 1, {0: {0, 1}, 1: {1}}, {}),
+        # static with the user's own 0 (kept): smp-compat run's static marker keeps the prefix (hung 0 of 6 before)
+        ("static", 1, {0: {1}, 1: {1}}, {SHARE_STORE_ENV: "0"}),
     ],
 )
 def test_a_killed_rank_restarts_two_nodes(
-    tmp_path: Path, reference: Result, backend: str, die_rank: int, attempts: dict[int, set[int]]
+    tmp_path: Path, reference: Result, backend: str, die_rank: int, attempts: dict[int, set[int]], env: dict[str, str]
 ) -> None:
     start = time.monotonic()
-    result, taken = _round(tmp_path, backend, lambda: _two_nodes(backend), die_rank)
+    result, taken = _round(tmp_path, backend, lambda: _two_nodes(backend), die_rank, **env)
     problem = result if isinstance(result, str) else _mismatch(reference, result, attempts)
     print(f"two nodes, {backend}, rank {die_rank} killed: {'failed' if problem else 'passed'} in "
           f"{time.monotonic() - start:.0f} s (ports taken before launch: {taken})")  # fmt: skip
