@@ -154,3 +154,21 @@ def test_a_killed_rank_restarts_two_nodes(
     print(f"two nodes, {backend}, rank {die_rank} killed: {'failed' if problem else 'passed'} in "
           f"{time.monotonic() - start:.0f} s (ports taken before launch: {taken})")  # fmt: skip
     assert problem is None, f"{backend}, rank {die_rank} killed: {problem}"
+
+
+V2_SCRIPT = ROOT / "tests" / "fixtures" / "preemption" / "v2_restart.py"
+V2_DISTRIBUTION = ('{"torch_distributed": {"enabled": true}, "smdistributed": {"modelparallel": {"enabled": true, '
+                   '"parameters": {"hybrid_shard_degree": 2}}}}')  # fmt: skip
+
+
+def test_an_smp_v2_script_that_makes_its_own_process_group_restarts_under_the_static_rendezvous(tmp_path: Path) -> None:
+    """AWS's v2 scripts call dist.init_process_group before tsm.init: 4 of 4 restarts failed under the static
+    rendezvous before its env:// rendezvous took the attempt's prefix (v2/restart_store.py)."""
+    for i in range(3):
+        out = tmp_path / f"round{i}"
+        out.mkdir()
+        cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--master-port",
+               str(free_port()), "--config", V2_DISTRIBUTION, str(V2_SCRIPT), "--out", str(out), "--die-at", "2"]
+        run_all([(cmd, clean_env())], out)
+        results = sorted((out / f"rank{r}.txt").read_text() for r in (0, 1))
+        assert results == ["1 [1.0, 3.0, 5.0, 7.0]\n"] * 2, f"round {i}: {results}"  # attempt 1, all 4 sums

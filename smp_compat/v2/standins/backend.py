@@ -4,6 +4,7 @@ CPU; ``nccl`` on a torch without CUDA -> gloo. Each mapping is announced once.
 AWS's scripts call ``dist.init_process_group(args.distributed_backend)`` (default ``smddp``; 6 of the 9
 notebooks pass ``nccl``) *before* ``tsm.init()``, so the mapping wraps ``init_process_group`` as soon as
 ``torch.sagemaker`` (smp_compat.v2) is imported; a real SMDDP install (its backend registered) keeps its name.
+The same wrapper gives a restarted attempt's env:// rendezvous its own keys (``v2/restart_store.py``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ def mapped_backend(backend: Any) -> Any:
 
 
 def install_backend_mapping() -> None:
-    """Wrap ``torch.distributed.init_process_group`` once so that its backend goes through :func:`mapped_backend`."""
+    """Wrap ``torch.distributed.init_process_group`` once so that its backend goes through :func:`mapped_backend`
+    (and a restarted attempt's rendezvous through ``restart_store.with_attempt_store``)."""
     original = dist.init_process_group
     if getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return original(mapped_backend(backend), *args, **kwargs)
+        from smp_compat.v2.restart_store import with_attempt_store
+
+        return original(mapped_backend(backend), *args, **with_attempt_store(args, kwargs))
 
     setattr(init_process_group, _MARK, True)
     dist.init_process_group = init_process_group
