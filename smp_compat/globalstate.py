@@ -22,7 +22,7 @@ from smp_compat import failure
 from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError
 from smp_compat.host.heap import TRIM_BYTES, TUNE_MALLOC_ENV, keep_freed_memory
-from smp_compat.launch import LaunchEnv, attempt_prefix, detect_launch
+from smp_compat.launch import LaunchEnv, attempt_prefix, attempt_store, detect_launch
 from smp_compat.topology import Topology
 
 if TYPE_CHECKING:
@@ -170,10 +170,9 @@ def _init_process_groups(launch: LaunchEnv, topology: Topology, backend: str) ->
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         state.owns_process_group = True
     elif not dist.is_initialized() and launch.launcher == "torchrun" and (prefix := attempt_prefix(os.environ)):
-        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
-                              timeout=_pg_timeout())  # fmt: skip
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=launch.rank,
-                                world_size=launch.world_size, timeout=_pg_timeout())  # fmt: skip
+        store = attempt_store(prefix, launch.master_addr, launch.master_port, launch.world_size, _pg_timeout())
+        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=_pg_timeout())  # fmt: skip
         state.owns_process_group = True
     elif not dist.is_initialized() and launch.launcher == "torchrun":
         # torchrun's agent already hosts the store (TORCHELASTIC_USE_AGENT_STORE): join it through env://

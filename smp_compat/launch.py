@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from smp_compat.errors import SMPConfigError
 
@@ -19,6 +19,7 @@ __all__ = [
     "SHARE_STORE_ENV",
     "STATIC_RENDEZVOUS_ENV",
     "attempt_prefix",
+    "attempt_store",
     "detect_launch",
     "expand_slurm_nodelist",
 ]
@@ -431,3 +432,12 @@ def attempt_prefix(env: Mapping[str, str]) -> str | None:
     if env.get("GROUP_WORLD_SIZE") == "1" or static:
         return f"smp_compat/attempt{int(count)}/"
     return None
+
+
+def attempt_store(prefix: str, master_addr: str, master_port: int, world_size: int, timeout: Any) -> Any:
+    """A client of torchrun's agent store whose keys live under ``prefix`` (``attempt_prefix``): how a
+    restarted attempt's process group rendezvouses, for ``smp.init`` and for an SMP v2 script's own call."""
+    import torch.distributed as dist  # here, not at the top: the rest of this module needs no torch
+
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(prefix, store)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from smp_compat.launch import attempt_prefix
+from smp_compat.launch import attempt_prefix, attempt_store
 
 __all__ = ["with_attempt_store"]
 
@@ -31,7 +31,6 @@ def with_attempt_store(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[st
         return kwargs
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     timeout = kwargs.get("timeout") or dist.constants.default_pg_timeout
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)  # fmt: skip
+    store = attempt_store(prefix, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, timeout)
     rest = {k: v for k, v in kwargs.items() if k not in ("init_method", "rank", "world_size")}
-    return {**rest, "store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world_size}
+    return {**rest, "store": store, "rank": rank, "world_size": world_size}

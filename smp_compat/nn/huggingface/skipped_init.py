@@ -18,9 +18,10 @@ Parameters on the meta device (delayed initialization) are left alone: materiali
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 from torch import nn
+
+from smp_compat.nn.huggingface.tying import outermost_models
 
 __all__ = ["initialize_if_skipped"]
 
@@ -28,11 +29,12 @@ __all__ = ["initialize_if_skipped"]
 def initialize_if_skipped(root: nn.Module) -> bool:
     """Run Hugging Face's weight initialization over each outermost transformers model under ``root`` if the
     script replaced ``PreTrainedModel.init_weights``; whether it ran."""
-    pretrained = _pretrained_class()
+    modeling = sys.modules.get("transformers.modeling_utils")
+    pretrained = getattr(modeling, "PreTrainedModel", None)
     if pretrained is None or _is_transformers_own(pretrained.__dict__.get("init_weights")):
         return False
     ran = False
-    for model in _outermost(root, pretrained):
+    for model in outermost_models(root):
         if any(p.is_meta for p in model.parameters()):
             continue
         _initialize(model)
@@ -50,20 +52,7 @@ def _initialize(model: nn.Module) -> None:
         model.apply(model._initialize_weights)
 
 
-def _pretrained_class() -> type | None:
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return getattr(modeling, "PreTrainedModel", None)
-
-
 def _is_transformers_own(function: object) -> bool:
     """Whether ``function`` is transformers' own (not a script's replacement such as ``lambda x: None``)."""
     module = getattr(function, "__module__", None) or ""
     return module == "transformers" or module.startswith("transformers.")
-
-
-def _outermost(root: nn.Module, pretrained: type) -> Iterator[nn.Module]:
-    if isinstance(root, pretrained):
-        yield root
-        return
-    for child in root.children():
-        yield from _outermost(child, pretrained)

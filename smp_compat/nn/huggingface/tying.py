@@ -13,24 +13,32 @@ already tied is left as it is.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["tie_as_configured"]
+__all__ = ["outermost_models", "tie_as_configured"]
 
 
 def tie_as_configured(root: nn.Module) -> None:
     """``tie_weights()`` on each outermost transformers ``PreTrainedModel`` under ``root`` (``root`` included)."""
+    for model in outermost_models(root):
+        model.tie_weights()
+
+
+def outermost_models(root: nn.Module) -> Iterator[nn.Module]:
+    """Each outermost transformers ``PreTrainedModel`` under ``root`` (``root`` included); none before
+    transformers is imported."""
     modeling = sys.modules.get("transformers.modeling_utils")
     pretrained = getattr(modeling, "PreTrainedModel", None)
     if pretrained is None:
         return
 
-    def visit(module: nn.Module) -> None:
+    def visit(module: nn.Module) -> Iterator[nn.Module]:
         if isinstance(module, pretrained):
-            module.tie_weights()
+            yield module
             return
         for child in module.children():
-            visit(child)
+            yield from visit(child)
 
-    visit(root)
+    yield from visit(root)
