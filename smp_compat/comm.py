@@ -68,20 +68,21 @@ def _members(axis: str) -> list[int]:
     return state.topology.group(axis, state.rank)
 
 
-def _device() -> torch.device:
+def object_device() -> torch.device:
+    """Where pickled objects travel as bytes: the rank's GPU under NCCL (it sends device tensors only), else CPU."""
     return state.device if state.backend == "nccl" else torch.device("cpu")
 
 
 def _send_object(obj: Any, dst: int) -> None:
-    payload = object_to_tensor(obj, _device())
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=_device()), dst, tag=_OBJECT_TAG)
+    payload = object_to_tensor(obj, object_device())
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=object_device()), dst, tag=_OBJECT_TAG)
     dist.send(payload, dst, tag=_OBJECT_TAG)
 
 
 def _recv_object(src: int) -> Any:
-    length = torch.zeros(1, dtype=torch.int64, device=_device())
+    length = torch.zeros(1, dtype=torch.int64, device=object_device())
     dist.recv(length, src, tag=_OBJECT_TAG)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=_device())
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=object_device())
     dist.recv(payload, src, tag=_OBJECT_TAG)
     return tensor_to_object(payload)
 
@@ -118,7 +119,7 @@ def allgather(obj: Any, group: CommGroup | int) -> list[Any]:
     members = _members(axis)
     if len(members) == 1:
         return [obj]
-    gathered = all_gather_objects(obj, process_group(axis), len(members), _device())
+    gathered = all_gather_objects(obj, process_group(axis), len(members), object_device())
     by_rank = dict(zip(sorted(members), gathered))
     return [by_rank[r] for r in members]
 

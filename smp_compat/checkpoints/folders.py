@@ -15,14 +15,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from smp_compat.checkpoints import state_dicts
 from smp_compat.checkpoints.state_dicts import PART_OF_KEY
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
 from smp_compat.checkpoints.serialization import atomic_save, atomic_write, fsync_dir
-from smp_compat.comm import all_gather_objects, broadcast_object
+from smp_compat.comm import all_gather_objects, broadcast_object, object_device
 
 __all__ = [
     "save_checkpoint",
@@ -102,15 +100,13 @@ def write_newest(path: str | os.PathLike[str], names: list[str]) -> None:
 def _all_gather(obj: Any) -> list[Any]:
     if state.world_size == 1:
         return [obj]
-    device = state.device if state.backend == "nccl" else torch.device("cpu")
-    return all_gather_objects(obj, process_group("world"), state.world_size, device)
+    return all_gather_objects(obj, process_group("world"), state.world_size, object_device())
 
 
 def _from_rank0(obj: Any) -> Any:
     if state.world_size == 1:
         return obj
-    device = state.device if state.backend == "nccl" else torch.device("cpu")
-    return broadcast_object(obj, 0, process_group("world"), device)
+    return broadcast_object(obj, 0, process_group("world"), object_device())
 
 
 def _agree_on_tag(tag: str) -> None:

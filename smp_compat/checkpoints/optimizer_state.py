@@ -23,7 +23,7 @@ from smp_compat.checkpoints.state_dicts import (
     to_cpu,
     to_device,
 )
-from smp_compat.comm import all_gather_objects
+from smp_compat.comm import all_gather_objects, object_device
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import process_group, state
 
@@ -117,9 +117,8 @@ def _with_every_share(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
     """Collective over the rdp group: the states of all rdp ranks' shares of this (pp, tp) rank's parameters,
     as one dict, as SMP gathered them for a script that saves from rdp_rank 0 only (AWS's GPT-2 script)."""
     mine = {sd[PARAM_NAMES_KEY][i]: to_cpu(s) for i, s in sd["state"].items()}
-    device = state.device if state.backend == "nccl" else torch.device("cpu")
     named: dict[str, Any] = {}
-    for part in all_gather_objects(mine, process_group("rdp"), state.topology.rdp_size, device):
+    for part in all_gather_objects(mine, process_group("rdp"), state.topology.rdp_size, object_device()):
         named.update(part)
     flat = list(chain.from_iterable(_full_groups(optimizer)))
     out = {k: v for k, v in sd.items() if k not in ("state", "param_groups", PARAM_NAMES_KEY)}

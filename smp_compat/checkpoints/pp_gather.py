@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp_compat.comm import all_gather_objects, object_to_tensor, tensor_to_object
+from smp_compat.comm import all_gather_objects, object_device, object_to_tensor, tensor_to_object
 from smp_compat.globalstate import process_group, state
 
 __all__ = ["allgather_pp", "gather", "my_pp_rank"]
@@ -25,16 +25,12 @@ def my_pp_rank() -> int:
     return state.topology.coords(state.rank).pp_rank
 
 
-def _object_device() -> torch.device:
-    return state.device if state.backend == "nccl" else torch.device("cpu")
-
-
 def allgather_pp(obj: Any) -> list[Any]:
     """Every pipeline rank's ``obj``, indexed by pp_rank."""
     members = _pp_members()
     if len(members) == 1:
         return [obj]
-    gathered = all_gather_objects(obj, process_group("pp"), len(members), _object_device())
+    gathered = all_gather_objects(obj, process_group("pp"), len(members), object_device())
     by_rank = dict(zip(sorted(members), gathered))
     return [by_rank[r] for r in members]
 
@@ -44,7 +40,7 @@ def _gather_pp_root(obj: Any) -> list[Any] | None:
     members = _pp_members()
     if len(members) == 1:
         return [obj]
-    group, device = process_group("pp"), _object_device()
+    group, device = process_group("pp"), object_device()
     if state.rank != members[0]:
         payload = object_to_tensor(obj, device)
         dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), members[0], group, _P2P_TAG)
