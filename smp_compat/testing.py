@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -89,7 +90,9 @@ def _child(
     torch.set_num_threads(threads)
     code = 0
     try:
-        # sys.__stderr__: under pytest's capsys, sys.stderr has no file descriptor for faulthandler
+        # sys.__stderr__: under pytest's capsys, sys.stderr has no file descriptor for faulthandler.
+        # A fatal signal (SIGSEGV, SIGABRT, ...) prints every thread's Python stack before the rank dies.
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
         faulthandler.dump_traceback_later(max(timeout - 1.0, 1.0), exit=False, file=sys.__stderr__)
         dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
         result = fn(*args)
@@ -146,6 +149,8 @@ def _collect(ranks: list[_Rank], timeout: float) -> None:
         if r.process.is_alive():
             r.process.kill()
             r.process.join()
+        elif r.outcome is not None and r.outcome[0] == "ok" and (r.process.exitcode or 0) < 0:
+            r.outcome = ("exit", r.process.exitcode)  # a result, then a crash while leaving: a failure too
 
 
 def _receive(r: _Rank) -> tuple[str, Any]:
@@ -154,6 +159,17 @@ def _receive(r: _Rank) -> tuple[str, Any]:
     except EOFError:
         r.process.join(timeout=1.0)
         return ("exit", r.process.exitcode)
+
+
+def _exit_text(code: int | None) -> str:
+    """How a rank that gave no result (or crashed after giving it) ended: its exit code, or the signal."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (its threads' Python stacks are printed above)"
+    return f"exited with code {code} without a result"
 
 
 def _results_or_raise(ranks: list[_Rank], timeout: float) -> list[Any]:
@@ -166,5 +182,5 @@ def _results_or_raise(ranks: list[_Rank], timeout: float) -> list[Any]:
         elif r.outcome[0] == "error":
             lines.append(f"rank {r.rank} raised:\n{r.outcome[1]}")
         elif r.outcome[0] == "exit":
-            lines.append(f"rank {r.rank}: exited with code {r.outcome[1]} without a result")
+            lines.append(f"rank {r.rank}: {_exit_text(r.outcome[1])}")
     raise RankFailure("\n".join(lines))

@@ -39,6 +39,25 @@ def _restore_environ():
 
 
 @pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Each test computes in this process with one torch thread, as every rank ``run_ranks`` forks does, and
+    leaves the count as it found it.
+
+    torch's CPU results depend on the thread count (how a matmul or a reduction is split): the 16-bit
+    oracle's step-5 gradient norm is 1.04180 with one thread, 1.04333 with two. Before this, a test's
+    reference depended on the machine's core count and on the tests before it: ``test_mnist_in_a_world_of_one``
+    runs an example that calls ``torch.set_num_threads(1)`` in this process, so every later test's oracle
+    differed from the same test run alone.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _reset_smp_state():
     from smp_compat.globalstate import reset
     from smp_compat.v2.state import reset as reset_v2

@@ -16,7 +16,7 @@ __all__ = ["TESTED", "installed", "outside_tested", "version_command"]
 TESTED: dict[str, tuple[str, str]] = {
     "python": ("3.11", "3.11"),
     "torch": ("2.10", "2.15"),
-    "transformers": ("4.40", "5.24"),
+    "transformers": ("4.40", "5.25"),
 }
 """Per package, the oldest and newest release (major.minor) the test suite was run on."""
 

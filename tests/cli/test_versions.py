@@ -37,7 +37,7 @@ def test_version_warns_outside_the_tested_range(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize(("name", "version", "outside"), [
     ("torch", "2.13.0+cu128", False), ("torch", "2.10.0", False), ("torch", "2.9.1", True), ("torch", "2.15.1", False),
     ("torch", "2.16.0", True), ("transformers", "4.40.2", False), ("transformers", "4.39.3", True),
-    ("transformers", "5.24.0", False), ("transformers", "5.25.0.dev0", True), ("python", "3.12.1", True),
+    ("transformers", "5.25.0", False), ("transformers", "5.26.0.dev0", True), ("python", "3.12.1", True),
 ])  # fmt: skip
 def test_outside_tested_compares_major_minor(name: str, version: str, outside: bool) -> None:
     assert versions.outside_tested(name, version) is outside
