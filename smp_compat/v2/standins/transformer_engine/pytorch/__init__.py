@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.utils.checkpoint
 
-from smp_compat.v2.standins import announce
+from smp_compat.v2.standins import absent_names, announce
 from smp_compat.v2.standins.transformer_engine.pytorch import attention
 
 __all__ = ["attention", "checkpoint", "fp8_autocast"]
@@ -51,3 +51,6 @@ def checkpoint(function: Callable[..., Any], *args: Any, distribute_saved_activa
             tracker.set_states(now)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+__getattr__ = absent_names(__name__)  # a name not provided raises ImportError, as absence would

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from smp_compat.errors import SMPUnsupportedError
+from smp_compat.v2.standins import absent_names
 
 __all__ = ["MultiheadAttention"]
 
@@ -23,3 +24,6 @@ class MultiheadAttention(torch.nn.Module):
             "transformer_engine.pytorch.attention.MultiheadAttention needs the real Transformer Engine (a CUDA "
             "build), which is not installed; use the Hugging Face model's own attention."
         )
+
+
+__getattr__ = absent_names(__name__)  # a name not provided raises ImportError, as absence would
