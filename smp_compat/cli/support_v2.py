@@ -17,7 +17,6 @@ __all__ = ["API_V2", "API_V2_SECTIONS", "CONFIG_V2", "lookup_api_v2"]
 
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
 _Row = tuple  # (name, status, note, action[, group])
-_IMPORT_ONLY = "Importable for the scripts' import lines; dead code on transformers >= 4.37.1 (AWS's create_model)."
 _CP = ("Context parallelism (cp_comm_type p2p or all_gather) for the same models: the scripts' head/tail chunks, "
        "true positions, causal attention over the whole sequence, the loss shifted in the whole sequence; no "
        "sliding window, padding mask or attention dropout.")
@@ -45,10 +44,15 @@ _ROWS: list[tuple[str, list[_Row]]] = [
          "ep > 1.", "Other MoE models: train them without config=MoEConfig."),
         ("moe.moe_layer.MoELayer", _S, "Each Mixtral decoder layer's mlp after transform(config=MoEConfig(...)) "
          "(the scripts' isinstance checks find it).", ""),
-        ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _P, _IMPORT_ONLY, "Leave use_smp_flash_attn to "
-         "create_model, which turns it off."),
-        ("nn.attn.FlashSelfAttention", _P, _IMPORT_ONLY, ""),
-        ("nn.attn.FlashGroupedQueryAttention", _P, _IMPORT_ONLY, ""),
+        ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _S, "LlamaFlashAttention(config[, layer_idx]): the "
+         "installed transformers' Llama attention (same parameters, call and return) computed by "
+         "FlashGroupedQueryAttention, the model's padding mask applied. AWS's 2023 HyperPod scripts (use_smp_flash_attn "
+         "1) swap it in on transformers < 4.34.", ""),
+        ("nn.attn.FlashSelfAttention", _S, "SMP's signature, computed with torch's scaled_dot_product_attention (equal "
+         "to plain attention up to rounding); output in the input's layout; dropout in training mode only; attn_mask "
+         "only with use_alibi=True, as SMP documents.", ""),
+        ("nn.attn.FlashGroupedQueryAttention", _S, "forward(q, kv, causal, cast_dtype, layout) with kv packed or (k, "
+         "v); torch's scaled_dot_product_attention.", ""),
     ]),
     ("Helpers", [
         ("logger.get_logger", _S, "", ""),
@@ -79,9 +83,15 @@ _ROWS: list[tuple[str, list[_Row]]] = [
          ""),
         ("distributed.checkpoint.state_dict_utils.SMStateDictType", _S, "", ""),
         ("distributed.checkpoint.state_dict_utils.init_optim_state", _S, "", ""),
-        ("distributed.fsdp", _U, "SMP's own FSDP module paths (checkpoint helpers removed in SMP 2.7; HyperPod's "
-         "register_tp_processing_pre_comm_hook).", "Call torch's FullyShardedDataParallel as AWS's current "
-         "scripts do; smp_compat serves it after tsm.init().", True),
+        *[(f"distributed.fsdp.checkpoint.{name}", _S, "SMP 2.0 - 2.3's model checkpoint helpers (AWS's HyperPod "
+           "scripts, --checkpoint_type use_pg_with_util): the sharded checkpoint's format (model, optimizer, "
+           "scheduler, the exports; tp{T}-{r} folders at tp > 1), so either type resumes the other's; "
+           "SHARDED_STATE_DICT only.", "") for name in ("save_model_checkpoint", "load_model_checkpoint")],
+        *[(f"distributed.fsdp.checkpoint.EXPORT_KEY_{key}", _S, "", "")
+          for key in ("MODEL", "OPTIMIZER", "SCHEDULER", "IDENTITY")],
+        ("distributed.fsdp.fully_sharded_data_parallel.register_tp_processing_pre_comm_hook", _P, "Importable (AWS's "
+         "2023 HyperPod script imports it and never calls it); a call raises SMPUnsupportedError: DTensor tensor "
+         "parallelism under FSDP2 needs no pre-communication hook.", "Remove the call."),
     ]),
 ]
 
@@ -119,7 +129,8 @@ _MODULES = (
     "utils", "utils.utils", "utils.process_group_utils", "utils.module_utils", "checkpoint", "checkpoint.utils",
     "distributed", "distributed.checkpoint", "distributed.checkpoint.async_utils",
     "distributed.checkpoint.state_dict_saver", "distributed.checkpoint.state_dict_loader",
-    "distributed.checkpoint.filesystem", "distributed.checkpoint.state_dict_utils",
+    "distributed.checkpoint.filesystem", "distributed.checkpoint.state_dict_utils", "distributed.fsdp",
+    "distributed.fsdp.checkpoint", "distributed.fsdp.fully_sharded_data_parallel",
 )  # fmt: skip
 """torch.sagemaker's module paths (imported as modules by the scripts); a name below one must be registered, as
 below ``state`` and ``state.ranker`` (kind "module" too: namespaces, listed in no docs table)."""
