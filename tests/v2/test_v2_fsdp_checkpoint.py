@@ -13,24 +13,10 @@ from torch.distributed.fsdp import StateDictType
 
 from smp_compat.errors import CheckpointError, SMPUnsupportedError
 from smp_compat.testing import run_ranks
-from tests.v2.test_v2_standins import _launched_python
 from v2ckpt_jobs import BATCH, Layout
 from v2ckpt_util_jobs import util_job
 
 STEPS, SAVE_AT = 5, 3
-
-
-def test_the_scripts_module_top_imports_work_under_torch_sagemaker() -> None:
-    done = _launched_python(
-        """
-        from torch.sagemaker.distributed.fsdp import checkpoint as tsm_fsdp_checkpoint
-        from torch.sagemaker.distributed.fsdp.fully_sharded_data_parallel import register_tp_processing_pre_comm_hook
-        print(tsm_fsdp_checkpoint.EXPORT_KEY_MODEL, tsm_fsdp_checkpoint.EXPORT_KEY_OPTIMIZER,
-              tsm_fsdp_checkpoint.EXPORT_KEY_SCHEDULER, tsm_fsdp_checkpoint.EXPORT_KEY_IDENTITY,
-              callable(tsm_fsdp_checkpoint.save_model_checkpoint), callable(register_tp_processing_pre_comm_hook))
-        """
-    )
-    assert done.stdout.split() == ["model", "optimizer", "scheduler", "identity", "True", "True"]
 
 
 def test_tp_pre_comm_hook_refuses_a_call_by_name() -> None:

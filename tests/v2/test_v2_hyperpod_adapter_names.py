@@ -10,16 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported before the ranks fork: see test_v2_checkpoints.py)
 import torch.distributed as dist
+import transformers  # noqa: F401
 
 from smp_compat.errors import SMPUnsupportedError
 from smp_compat.testing import run_ranks
-from tests.v2.test_v2_standins import _launched_python
+from test_v2_standins import _launched_python
 
 
-def test_the_adapters_module_top_imports_work_under_torch_sagemaker() -> None:
+def test_the_adapters_and_hyperpod_scripts_module_top_imports_work_under_torch_sagemaker() -> None:
     """The adapter's import lines (fsdp_strategy.py, checkpoint.py, local_ckpt_io.py, base_ckpt_io.py,
-    sagemaker_base_model.py, patch_llama_flash_attn_cp.py), in a process as ``smp-compat run`` starts it."""
+    sagemaker_base_model.py, patch_llama_flash_attn_cp.py) and AWS's HyperPod scripts' (checkpoints.py,
+    train_lib.py; their flash attention: test_v2_flash_attn.py), in a process as ``smp-compat run`` starts it."""
     done = _launched_python(
         """
         import torch.sagemaker as tsm
@@ -38,12 +41,14 @@ def test_the_adapters_module_top_imports_work_under_torch_sagemaker() -> None:
         import torch.sagemaker.distributed.checkpoint.state_dict_saver as saver
         from torch.sagemaker.state_handler import state
         from torch.sagemaker import state as tsm_state
+        from torch.sagemaker.distributed.fsdp import checkpoint as tsm_fsdp_checkpoint
+        from torch.sagemaker.distributed.fsdp.fully_sharded_data_parallel import register_tp_processing_pre_comm_hook
         get_extra_state = te.attention.DotProductAttention.get_extra_state  # read at import by the cp patch
         print(state is tsm.state is tsm_state, SMP_IS_PARTIAL_KEY, SMP_IS_LOAD_INFO_KEY, callable(get_extra_state),
-              callable(tsm.state.reset))
+              callable(tsm.state.reset), tsm_fsdp_checkpoint.EXPORT_KEY_MODEL, tsm_fsdp_checkpoint.EXPORT_KEY_IDENTITY)
         """
     )
-    assert done.stdout.split() == ["True", "_smp_is_partial", "_smp_load_info", "True", "True"]
+    assert done.stdout.split() == ["True", "_smp_is_partial", "_smp_load_info", "True", "True", "model", "identity"]
 
 
 def test_te_only_context_parallelism_and_te_attention_are_refused_by_name() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 import smp_compat.v2.standins as standins
 from smp_compat.errors import StandinMissingError
-from tests.v2.test_v2_standins import _installed, _launched_python
+from test_v2_standins import _installed, _launched_python
 
 _SKIP = ("smp_compat.v2.standins.attention", "smp_compat.v2.standins.backend", "smp_compat.v2.standins.real_te")
 
