@@ -120,7 +120,8 @@ def test_auto_checkpoint_interval_and_its_saved_form() -> None:
 
 def _writer_hooks_and_reset_job(folder: str) -> dict:
     """Two ranks: an async save through DistributedFileSystemWriter with the adapter's hooks, finalized as its
-    local checkpoints do; then tsm.state.reset() and a second tsm.init with another layout."""
+    local checkpoints do; the automatic interval from different timings per rank; then tsm.state.reset() and a
+    second tsm.init with another layout."""
     import smp_compat.v2 as tsm
     from smp_compat.v2.distributed.checkpoint.async_utils import AsyncCallsQueue
     from smp_compat.v2.distributed.checkpoint.filesystem import DistributedFileSystemWriter, path_to_file_system
@@ -150,10 +151,14 @@ def _writer_hooks_and_reset_job(folder: str) -> dict:
     fs = path_to_file_system(folder)
     with fs.create_stream(fs.concat_path(fs.init_path(folder), ".local.metadata"), "rb") as stream:
         step = torch.load(stream)["step"]
+    from smp_compat.v2.distributed.checkpoint.state_dict_utils import compute_auto_checkpoint_interval
+
+    interval = compute_auto_checkpoint_interval([1.0], [1.0], [0.0], [1.0 + 2.0 * rank]).interval  # io 1 s / 3 s
     tsm.state.reset()
     reset = [tsm.is_initialized(), tsm.state.tensor_parallel_degree]
     tsm.init({"hybrid_shard_degree": 1})
-    return {"events": events, "step": step, "reset": reset, "after": tsm.state.hybrid_shard_degree}
+    return {"events": events, "step": step, "reset": reset, "after": tsm.state.hybrid_shard_degree,
+            "interval": interval}
 
 
 def test_writer_hooks_coordinator_and_skip_sync_finalize_then_state_reset(tmp_path) -> None:
@@ -163,6 +168,7 @@ def test_writer_hooks_coordinator_and_skip_sync_finalize_then_state_reset(tmp_pa
     assert results[1]["events"] == [["pre", False], ["post", False, True]]  # others: after their own files
     assert all(r["step"] == 7 for r in results)
     assert all(r["reset"] == [False, 1] and r["after"] == 1 for r in results)
+    assert [r["interval"] for r in results] == [3, 3]  # the slowest rank's timings, on every rank
 
 
 def test_skip_sync_finalizes_this_ranks_done_saves_without_a_collective() -> None:
