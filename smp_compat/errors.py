@@ -25,6 +25,7 @@ __all__ = [
     "RemoteError",
     "SMPTimeoutError",
     "ParameterOwnershipError",
+    "StandinMissingError",
 ]
 
 
@@ -93,3 +94,12 @@ class SMPTimeoutError(SMPError, TimeoutError):
 
 class ParameterOwnershipError(SMPError, RuntimeError):
     """The optimizer holds a parameter that does not belong to the DistributedModel."""
+
+
+class StandinMissingError(SMPError, ImportError):
+    """A name smp_compat's stand-in for an absent package (Transformer Engine, megatron-core, SMDDP) lacks.
+
+    An ImportError, as if the package were not installed, so the ``except ImportError`` guards libraries put
+    around optional GPU packages take their "not installed" branch.
+    """
+

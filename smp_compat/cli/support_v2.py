@@ -17,7 +17,6 @@ __all__ = ["API_V2", "API_V2_SECTIONS", "CONFIG_V2", "lookup_api_v2"]
 
 _S, _P, _U = Status.SUPPORTED, Status.PARTIAL, Status.UNSUPPORTED
 _Row = tuple  # (name, status, note, action[, group])
-_IMPORT_ONLY = "Importable for the scripts' import lines; dead code on transformers >= 4.37.1 (AWS's create_model)."
 _CP = ("Context parallelism (cp_comm_type p2p or all_gather) for the same models: the scripts' head/tail chunks, "
        "true positions, causal attention over the whole sequence, the loss shifted in the whole sequence; no "
        "sliding window, padding mask or attention dropout.")
@@ -45,10 +44,15 @@ _ROWS: list[tuple[str, list[_Row]]] = [
          "ep > 1.", "Other MoE models: train them without config=MoEConfig."),
         ("moe.moe_layer.MoELayer", _S, "Each Mixtral decoder layer's mlp after transform(config=MoEConfig(...)) "
          "(the scripts' isinstance checks find it).", ""),
-        ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _P, _IMPORT_ONLY, "Leave use_smp_flash_attn to "
-         "create_model, which turns it off."),
-        ("nn.attn.FlashSelfAttention", _P, _IMPORT_ONLY, ""),
-        ("nn.attn.FlashGroupedQueryAttention", _P, _IMPORT_ONLY, ""),
+        ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _S, "LlamaFlashAttention(config[, layer_idx]): the "
+         "installed transformers' Llama attention (same parameters, call and return) computed by "
+         "FlashGroupedQueryAttention, the model's padding mask applied. AWS's 2023 HyperPod scripts "
+         "(use_smp_flash_attn 1) swap it in on transformers < 4.34.", ""),
+        ("nn.attn.FlashSelfAttention", _S, "SMP's signature, computed with torch's scaled_dot_product_attention (equal "
+         "to plain attention up to rounding); output in the input's layout; dropout in training mode only; attn_mask "
+         "only with use_alibi=True, as SMP documents.", ""),
+        ("nn.attn.FlashGroupedQueryAttention", _S, "forward(q, kv, causal, cast_dtype, layout) with kv packed or (k, "
+         "v); torch's scaled_dot_product_attention.", ""),
     ]),
     ("Helpers", [
         ("logger.get_logger", _S, "", ""),
@@ -74,14 +78,43 @@ _ROWS: list[tuple[str, list[_Row]]] = [
          "sharded_strategy; the writer is always DCP's file-per-rank one.", ""),
         ("distributed.checkpoint.state_dict_loader.load", _S, "", ""),
         ("distributed.checkpoint.filesystem.DistributedFileSystemReader", _S, "", ""),
+        ("distributed.checkpoint.filesystem.DistributedFileSystemWriter", _S, "DCP's FileSystemWriter with SMP's "
+         "pre_write_hooks / post_write_hooks (each called with the writer: before this rank writes; after its files, "
+         "on the coordinator after the whole checkpoint) and is_coordinator.", ""),
+        ("distributed.checkpoint.filesystem.path_to_file_system", _P, "DCP's FileSystem for a file-system path; an "
+         "s3:// path is refused (SMPUnsupportedError).", "Save to a local or shared file system."),
+        *[(f"distributed.checkpoint.s3_filesystem.{name}", _S, "", "")
+          for name in ("is_s3_uri", "format_s3_path", "parse_s3_uri")],
+        ("distributed.checkpoint.s3_filesystem.retry_with_jitter", _S, "Retries transient OS errors (3 attempts, "
+         "jittered back-off); missing files and permissions raise at once.", ""),
+        *[(f"distributed.checkpoint.s3_filesystem.{name}", _P, "Importable (HyperPod's adapter imports it at module "
+           "top); a call raises SMPUnsupportedError: smp_compat does not read or write S3.", "Save to a local or "
+           "shared file system and copy to S3.") for name in ("S3FileSystem", "get_s3_region_from_uri")],
+        *[(f"checkpoint.constants.{name}", _S, "The keys SMP marks partial state dicts with (_smp_is_partial, "
+           "_smp_load_info).", "") for name in ("SMP_IS_PARTIAL_KEY", "SMP_IS_LOAD_INFO_KEY")],
         ("distributed.checkpoint.state_dict_utils.sm_state_dict_type", _S, "SM_LOCAL_STATE_DICT is the FSDP "
          "model's sharded state dict (this rank's shard, no collective); other types go to FSDP.state_dict_type.",
          ""),
         ("distributed.checkpoint.state_dict_utils.SMStateDictType", _S, "", ""),
         ("distributed.checkpoint.state_dict_utils.init_optim_state", _S, "", ""),
-        ("distributed.fsdp", _U, "SMP's own FSDP module paths (checkpoint helpers removed in SMP 2.7; HyperPod's "
-         "register_tp_processing_pre_comm_hook).", "Call torch's FullyShardedDataParallel as AWS's current "
-         "scripts do; smp_compat serves it after tsm.init().", True),
+        *[(f"distributed.checkpoint.state_dict_utils.{name}", _P, "HyperPod's automatic checkpoint interval; SMP "
+           "documents no formula: the fewest steps so one checkpoint's background write ends before the next and "
+           "checkpointing steps cost at most 10 % of training time, from the slowest rank's timings (collective); "
+           "_Interval round-trips through dataclasses.asdict.", "") for name in ("_Interval",
+                                                                                "compute_auto_checkpoint_interval")],
+        ("context_parallel.utils.setup_transformer_engine_cp_groups", _P, "Importable (HyperPod's adapter imports "
+         "it at module top and calls it only for Transformer Engine attention modules); a call raises "
+         "SMPUnsupportedError: Transformer Engine's context parallelism needs the real TE.", "Let tsm.transform(model, "
+         "cp_comm_type=...) apply context parallelism to the Hugging Face attention."),
+        *[(f"distributed.fsdp.checkpoint.{name}", _S, "SMP 2.0 - 2.3's model checkpoint helpers (AWS's HyperPod "
+           "scripts, --checkpoint_type use_pg_with_util): the sharded checkpoint's format (model, optimizer, "
+           "scheduler, the exports; tp{T}-{r} folders at tp > 1), so either type resumes the other's; "
+           "SHARDED_STATE_DICT only.", "") for name in ("save_model_checkpoint", "load_model_checkpoint")],
+        *[(f"distributed.fsdp.checkpoint.EXPORT_KEY_{key}", _S, "", "")
+          for key in ("MODEL", "OPTIMIZER", "SCHEDULER", "IDENTITY")],
+        ("distributed.fsdp.fully_sharded_data_parallel.register_tp_processing_pre_comm_hook", _P, "Importable (AWS's "
+         "2023 HyperPod script imports it and never calls it); a call raises SMPUnsupportedError: DTensor tensor "
+         "parallelism under FSDP2 needs no pre-communication hook.", "Remove the call."),
     ]),
 ]
 
@@ -98,6 +131,8 @@ _STATE_ROWS: list[_Row] = [
         "sm_activation_offloading", "activation_loading_horizon", "random_seed")],
     ("state.get_rng_state_tracker", _S, "Megatron's tracker API (add, fork, get_states, set_states, reset), seeded "
      "random_seed + tp_rank on the CPU and CUDA generators.", ""),
+    ("state.reset", _S, "Forgets init and every value written before it, so tsm.init may run again.", ""),
+    ("state_handler.state", _S, "The same object as tsm.state.", ""),
     ("state.device_mesh", _S, "An smp_compat addition: the (\"rep\", \"shard\", \"cp\", \"tp\") DeviceMesh.", ""),
 ]
 
@@ -119,7 +154,10 @@ _MODULES = (
     "utils", "utils.utils", "utils.process_group_utils", "utils.module_utils", "checkpoint", "checkpoint.utils",
     "distributed", "distributed.checkpoint", "distributed.checkpoint.async_utils",
     "distributed.checkpoint.state_dict_saver", "distributed.checkpoint.state_dict_loader",
-    "distributed.checkpoint.filesystem", "distributed.checkpoint.state_dict_utils",
+    "distributed.checkpoint.filesystem", "distributed.checkpoint.state_dict_utils", "distributed.fsdp",
+    "distributed.fsdp.checkpoint", "distributed.fsdp.fully_sharded_data_parallel",
+    "distributed.checkpoint.s3_filesystem", "checkpoint.constants", "context_parallel", "context_parallel.utils",
+    "state_handler",
 )  # fmt: skip
 """torch.sagemaker's module paths (imported as modules by the scripts); a name below one must be registered, as
 below ``state`` and ``state.ranker`` (kind "module" too: namespaces, listed in no docs table)."""

@@ -201,6 +201,11 @@ class State:
     def _reset(self) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def reset(self) -> None:
+        """SMP's ``tsm.state.reset()``: forget init and every value written before it, so ``tsm.init`` may run
+        again (HyperPod's adapter tests call it between jobs). Process groups stay as they are."""
+        self._reset()
+
 
 state = State()
 """The singleton scripts import as ``from torch.sagemaker import state``."""

@@ -3,6 +3,7 @@ what the scripts need (smddp/nccl backends, fp8_autocast, TE's checkpoint with t
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -26,6 +27,14 @@ def _launched_python(code: str, extra_path: list[str] | None = None) -> subproce
                           timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def test_launched_process_imports_every_standin_once_announced(tmp_path) -> None:
@@ -56,7 +65,9 @@ def test_launched_process_imports_every_standin_once_announced(tmp_path) -> None
     printed = [line for line in done.stdout.splitlines() if not line.startswith("[Gloo] ")]  # torch 2.9, 2.10
     assert " ".join(printed).split() == ["False", "1", "True", "gloo"]
     lines = [line for line in done.stderr.splitlines() if line.startswith("smp_compat: ")]
-    assert len(lines) == 4, done.stderr  # transformer_engine, megatron, fp8 (once for two blocks), smddp
+    real_megatron = _installed("megatron-core")  # installed: it wins, no announcement
+    # transformer_engine, megatron (unless installed), fp8 (once for two blocks), smddp
+    assert len(lines) == 4 - real_megatron, done.stderr
     assert any('backend "smddp"' in line and '"gloo"' in line for line in lines)
 
 
@@ -130,3 +141,62 @@ def test_flash_attention_2_without_flash_attn_builds_sdpa() -> None:
     assert install_sdpa_fallback()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="flash_attention_2")
     assert model.config._attn_implementation == "sdpa"
+
+
+class _Block(torch.nn.Module):
+    """A layer called as Hugging Face calls its decoder layers: hidden states positional, the rest by keyword."""
+
+    def __init__(self, tracker: object) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.tracker = tracker
+
+    def forward(self, hidden: torch.Tensor, *, bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        with self.tracker.fork():  # type: ignore[attr-defined]
+            dropped = torch.nn.functional.dropout(self.linear(hidden), p=0.5)
+        return (dropped * scale + bias).tanh()
+
+
+def test_te_checkpoint_as_the_hyperpod_scripts_call_it() -> None:
+    """17.SM-modelparallelv2's apply_activation_checkpoint: TE 1.2's ``get_cuda_rng_tracker=`` keyword, no
+    ``use_reentrant``, through checkpoint_wrapper with keyword arguments. Gradients (a keyword tensor's
+    included) equal the unwrapped layer's; before, ``ValueError: Unexpected keyword arguments``."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from smp_compat.v2.rng import RNGStatesTracker
+    from smp_compat.v2.standins.transformer_engine import pytorch as te
+
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 77)
+    torch.manual_seed(0)
+    block = _Block(tracker)
+    hidden = torch.randn(4, 8)
+    bias = torch.randn(4, 8)
+
+    start = tracker.get_states()
+    plain_x, plain_b = hidden.clone().requires_grad_(), bias.clone().requires_grad_()
+    block(plain_x, bias=plain_b, scale=2.0).sum().backward()
+    plain_w = block.linear.weight.grad.clone()
+    block.zero_grad()
+
+    tracker.set_states(start)
+    checkpoint_fn = functools.partial(te.checkpoint, distribute_saved_activations=False,
+                                      get_cuda_rng_tracker=lambda: tracker, tp_group=None)  # fmt: skip
+    wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint_fn)
+    x, b = hidden.clone().requires_grad_(), bias.clone().requires_grad_()
+    out = wrapped(x, bias=b, scale=2.0)
+    with tracker.fork():
+        torch.rand(5)  # the stream moves on before the recomputation
+    out.sum().backward()
+    assert torch.equal(x.grad, plain_x.grad)
+    assert torch.equal(b.grad, plain_b.grad)
+    assert torch.equal(block.linear.weight.grad, plain_w)
+
+
+def test_te_checkpoint_refuses_both_tracker_names() -> None:
+    from smp_compat.v2.standins.transformer_engine import pytorch as te
+
+    with pytest.raises(TypeError, match="get_cuda_rng_tracker"):
+        te.checkpoint(torch.tanh, torch.ones(2), get_rng_state_tracker=object, get_cuda_rng_tracker=object)

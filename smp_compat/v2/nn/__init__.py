@@ -1,4 +1,5 @@
-"""``torch.sagemaker.nn``: SMP's flash-attention modules, importable for the scripts' dead branches only."""
+"""``torch.sagemaker.nn``: SMP's flash-attention modules (``attn``, ``huggingface.llama_flashattn``) on torch's
+``scaled_dot_product_attention``."""
 
 from __future__ import annotations
 

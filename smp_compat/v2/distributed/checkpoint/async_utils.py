@@ -61,14 +61,19 @@ class AsyncCallsQueue:
         self._calls.append(request)
         return request.idx
 
-    def maybe_finalize_async_calls(self, blocking: bool = False, process_group: Any = None) -> list[int]:
+    def maybe_finalize_async_calls(self, blocking: bool = False, process_group: Any = None,
+                                   skip_sync: bool = False) -> list[int]:  # fmt: skip
         """Finalize the saves that are done (all of them when ``blocking``); returns their indices.
 
         Without ``blocking``, the ranks of ``process_group`` (default: all) agree on how many leading saves
         are done, so each rank finalizes the same ones; every rank of the group must call it then.
+        ``skip_sync`` (HyperPod's local checkpoints, each rank on its own): no agreement, only this rank's
+        leading done saves; with ``blocking`` it changes nothing (no rank talks to another then).
         """
         if blocking:
             count = len(self._calls)
+        elif skip_sync:
+            count = self._done_here()
         else:
             count = self._agreed_done(process_group)
         finished, self._calls = self._calls[:count], self._calls[count:]
@@ -76,11 +81,16 @@ class AsyncCallsQueue:
             request.finalize()
         return [r.idx for r in finished]
 
-    def _agreed_done(self, process_group: Any) -> int:
-        """The number of leading saves done on every rank of the group."""
+    def _done_here(self) -> int:
+        """The number of leading saves done on this rank."""
         count = 0
         while count < len(self._calls) and self._calls[count].done():
             count += 1
+        return count
+
+    def _agreed_done(self, process_group: Any) -> int:
+        """The number of leading saves done on every rank of the group."""
+        count = self._done_here()
         if dist.is_available() and dist.is_initialized():
             agreed = torch.tensor([count], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)

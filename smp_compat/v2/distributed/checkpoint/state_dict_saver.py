@@ -112,6 +112,7 @@ def save(
                     process_group=process_group)  # fmt: skip
 
 
-def maybe_finalize_async_calls(blocking: bool = False, process_group: Any = None) -> list[int]:
+def maybe_finalize_async_calls(blocking: bool = False, process_group: Any = None, skip_sync: bool = False) -> list[int]:
     """Finalize the saves ``async_save`` queued without a ``queue`` of the caller's."""
-    return _DEFAULT_QUEUE.maybe_finalize_async_calls(blocking=blocking, process_group=process_group)
+    return _DEFAULT_QUEUE.maybe_finalize_async_calls(blocking=blocking, process_group=process_group,
+                                                     skip_sync=skip_sync)  # fmt: skip

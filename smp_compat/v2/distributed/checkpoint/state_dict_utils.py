@@ -4,6 +4,7 @@
 FSDP-backed model's sharded state dict already is that (DTensors holding this rank's shard; DCP writes
 and reads only those pieces), so the context selects it; ``async_local`` then saves it over the rank's
 replication group into a folder of its own. Other ``StateDictType`` values go to ``FSDP.state_dict_type``.
+``_Interval`` and ``compute_auto_checkpoint_interval`` (HyperPod's automatic checkpoints) live in auto_interval.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SMStateDictType", "sm_state_dict_type", "init_optim_state"]
+from smp_compat.v2.distributed.checkpoint.auto_interval import _Interval, compute_auto_checkpoint_interval
+
+__all__ = ["SMStateDictType", "_Interval", "compute_auto_checkpoint_interval", "init_optim_state", "sm_state_dict_type"]
 
 
 class SMStateDictType(Enum):

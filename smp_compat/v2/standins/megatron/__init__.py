@@ -8,8 +8,11 @@ megatron-core, so requiring the package for one exception class would only block
 
 from __future__ import annotations
 
-from smp_compat.v2.standins import announce
+from smp_compat.v2.standins import absent_names, announce
+
 
 __all__: list[str] = []
 
 announce("megatron", "megatron-core is not installed: using smp_compat's stand-in for its checkpoint exception.")
+
+__getattr__ = absent_names(__name__)  # a name not provided raises ImportError, as absence would

@@ -8,7 +8,7 @@ installed (a CPU, or a GPU host without it): what AWS's SMP v2 scripts use of it
 
 from __future__ import annotations
 
-from smp_compat.v2.standins import announce
+from smp_compat.v2.standins import absent_names, announce
 from smp_compat.v2.standins.transformer_engine import common, pytorch
 
 __all__ = ["common", "pytorch"]
@@ -17,3 +17,5 @@ __version__ = "0.0.0+smp_compat.standin"
 
 announce("transformer_engine", "transformer_engine is not installed: using smp_compat's stand-in (no fp8, torch's "
          "activation checkpointing).")  # fmt: skip
+
+__getattr__ = absent_names(__name__)  # a name not provided raises ImportError, as absence would

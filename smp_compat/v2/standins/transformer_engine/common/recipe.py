@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from smp_compat.v2.standins import absent_names
+
 __all__ = ["DelayedScaling", "Format"]
 
 
@@ -30,3 +32,6 @@ class DelayedScaling:
     fp8_dpa: bool = False
     fp8_mha: bool = False
     interval: int = 1
+
+
+__getattr__ = absent_names(__name__)  # a name not provided raises ImportError, as absence would

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.utils.checkpoint
 
-from smp_compat.v2.standins import announce
+from smp_compat.v2.standins import absent_names, announce
 from smp_compat.v2.standins.transformer_engine.pytorch import attention
 
 __all__ = ["attention", "checkpoint", "fp8_autocast"]
@@ -26,16 +26,43 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: An
 
 def checkpoint(function: Callable[..., Any], *args: Any, distribute_saved_activations: bool = False,
                get_rng_state_tracker: Callable[[], Any] | None = None, tp_group: Any = None,
-               use_reentrant: bool = True, **kwargs: Any) -> Any:  # fmt: skip
+               use_reentrant: bool = True, get_cuda_rng_tracker: Callable[[], Any] | None = None,
+               **kwargs: Any) -> Any:  # fmt: skip
     """torch's activation checkpoint, accepting TE's extra arguments.
 
-    ``get_rng_state_tracker``'s streams are restored for the recomputation, as TE does, so dropout inside a
-    ``tracker.fork()`` draws the same numbers twice. ``distribute_saved_activations`` and ``tp_group`` (which
-    split saved inputs over the tp group) only save memory; torch's checkpoint keeps whole inputs.
+    ``get_cuda_rng_tracker`` is TE 1.2's name for ``get_rng_state_tracker`` (AWS's 2024 HyperPod scripts pass
+    it); its streams are restored for the recomputation, as TE does, so dropout inside a ``tracker.fork()``
+    draws the same numbers twice. ``use_reentrant`` defaults to True, the reentrant recomputation TE 1.2
+    always did; keyword arguments for ``function`` then travel as positional inputs (torch's reentrant
+    checkpoint takes none), so a tensor among them still gets its gradient. ``distribute_saved_activations``
+    and ``tp_group`` (which split saved inputs over the tp group) only save memory; torch's checkpoint keeps
+    whole inputs.
     """
-    if get_rng_state_tracker is None:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
-    tracker = get_rng_state_tracker()
+    if get_rng_state_tracker is not None and get_cuda_rng_tracker is not None:
+        raise TypeError("checkpoint() got both get_rng_state_tracker and get_cuda_rng_tracker (TE 1.2's name for it)")
+    get_tracker = get_rng_state_tracker if get_rng_state_tracker is not None else get_cuda_rng_tracker
+    if use_reentrant and kwargs:
+        function, args, kwargs = _with_keywords_as_positional(function, args, kwargs)
+    if get_tracker is not None:
+        function = _replaying(function, get_tracker())
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _with_keywords_as_positional(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``function(*args, **kwargs)`` as a function of positional inputs only (the reentrant checkpoint's form)."""
+    keys = tuple(kwargs)
+
+    def run(*inputs: Any) -> Any:
+        split = len(inputs) - len(keys)
+        return function(*inputs[:split], **dict(zip(keys, inputs[split:])))
+
+    return run, (*args, *kwargs.values()), {}
+
+
+def _replaying(function: Callable[..., Any], tracker: Any) -> Callable[..., Any]:
+    """``function`` whose second call (the recomputation) runs with the tracker's streams of the first."""
     at_forward = tracker.get_states()
     calls = []
 
@@ -50,4 +77,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, distribute_saved_activa
         finally:
             tracker.set_states(now)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
+    return run
+
+
+__getattr__ = absent_names(__name__)  # a name not provided raises ImportError, as absence would
