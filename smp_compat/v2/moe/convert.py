@@ -90,17 +90,23 @@ def transform_moe(model: nn.Module, config: object, device: object, dtype: objec
 
     if not state.initialized:
         raise SMPNotInitializedError("torch.sagemaker.transform needs torch.sagemaker.init() first.")
-    ep = state.expert_parallel_degree
-    if state.tensor_parallel_degree > 1 or state.context_parallel_degree > 1:
+    ep, tp = state.expert_parallel_degree, state.tensor_parallel_degree
+    if (tp > 1 and ep > 1) or state.context_parallel_degree > 1:
         raise SMPUnsupportedError(
-            "torch.sagemaker.transform(config=MoEConfig(...)) with tensor_parallel_degree > 1 or "
-            "context_parallel_degree > 1: smp_compat runs Mixtral with expert and data parallelism only."
+            f"torch.sagemaker.transform(config=MoEConfig(...)) with tensor_parallel_degree ({tp}) and "
+            f"expert_parallel_degree ({ep}) both > 1, or context_parallel_degree "
+            f"({state.context_parallel_degree}) > 1: SMP v2 refuses expert parallelism with tensor parallelism, "
+            "and smp_compat runs Mixtral's MoE layer without context parallelism. Use one of ep or tp."
         )
     if from_rank0 and ep > 1:
         raise SMPUnsupportedError(
             "transform(config=MoEConfig(...), load_state_dict_from_rank0=True) with expert_parallel_degree > 1: "
             "rank 0 holds only its own experts after the split; load the checkpoint on every rank instead."
         )
+    if tp > 1:  # attention split over tp first (its own broadcast within the tp group); experts stay whole
+        from smp_compat.v2.transform.api import tensor_parallelize
+
+        tensor_parallelize(model, state.device_mesh["tp"], device, dtype, from_rank0)
     move(model, device, dtype)  # type: ignore[operator]
     layers = moe_transform(model, config, state.world_size, state.rank, state.dp_rank, ep)  # type: ignore[arg-type]
     for layer in layers:
