@@ -46,6 +46,7 @@ def _plain_tp_job(with_config: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     tsm = _init(2)
     model = tsm.transform(moe_job.tiny_mixtral(), config=EXACT if with_config else None)
+    assert tsm.transform(model, config=EXACT if with_config else None) is model  # a second call changes nothing
     split = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
     losses = th.train(model, th.batches())
     return {"losses": losses, "state": th.full_state(model), "split": split}

@@ -81,6 +81,10 @@ def _convert_block(block: nn.Module, hf: object, config: MoEConfig, group: objec
     return layer
 
 
+def _holds_moe_layer(layer: nn.Module) -> bool:
+    return any(isinstance(getattr(layer, name, None), MoELayer) for name in ("mlp", "block_sparse_moe"))
+
+
 def transform_moe(model: nn.Module, config: object, device: object, dtype: object, from_rank0: bool,
                   move: object) -> nn.Module:  # fmt: skip
     """``transform``'s MoE path: checks against ``tsm.state``, then :func:`moe_transform`, layers marked."""
@@ -103,6 +107,9 @@ def transform_moe(model: nn.Module, config: object, device: object, dtype: objec
             "transform(config=MoEConfig(...), load_state_dict_from_rank0=True) with expert_parallel_degree > 1: "
             "rank 0 holds only its own experts after the split; load the checkpoint on every rank instead."
         )
+    decoder = getattr(getattr(model, "model", model), "layers", None)
+    if decoder is not None and len(decoder) and all(_holds_moe_layer(layer) for layer in decoder):
+        return model  # transformed already (as tensor_parallelize: a second call changes nothing)
     if tp > 1:  # attention split over tp first (its own broadcast within the tp group); experts stay whole
         from smp_compat.v2.transform.api import tensor_parallelize
 
