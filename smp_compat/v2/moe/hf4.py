@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["is_hf4_block", "stacked_experts", "to_hf4_names", "from_hf4_names", "install_name_hooks"]
 
@@ -88,14 +89,15 @@ def _order_as_hf4(sd: dict[str, Any]) -> None:
 
 
 def _flush(sd: dict[str, Any], pending: dict[str, list[tuple[str, Any]]]) -> None:
-    def order(item: tuple[str, Any]) -> tuple[int, str]:
-        match = _PER_EXPERT.match(item[0])
-        return int(match["i"]), match["w"]  # type: ignore[index]
-
     for entries in pending.values():
-        for key, value in sorted(entries, key=order):
+        for key, value in sorted(entries, key=_expert_order):
             sd[key] = value
     pending.clear()
+
+
+def _expert_order(item: tuple[str, Any]) -> tuple[int, str]:
+    match = _PER_EXPERT.match(item[0])
+    return int(match["i"]), match["w"]  # type: ignore[index]
 
 
 def from_hf4_names(sd: dict[str, Any], stacked_keys: set[str]) -> None:
@@ -127,8 +129,7 @@ def install_name_hooks(layer: nn.Module) -> None:
 
 def _holds_every_expert(layer: nn.Module) -> bool:
     experts = layer.experts
-    return (experts.num_experts == experts.total
-            and not any(type(p).__name__ == "DTensor" for p in experts.parameters(recurse=False)))  # fmt: skip
+    return experts.num_experts == experts.total and not any(isinstance(p, DTensor) for p in experts.parameters())
 
 
 def _after_state_dict(layer: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
