@@ -26,7 +26,8 @@ _ROWS: list[tuple[str, list[_Row]]] = [
         ("init", _S, "A dict or a JSON path; SM_HP_MP_PARAMETERS wins key by key; uses the script's process "
          "group or starts one (torchrun, Slurm, Open MPI).", ""),
         ("is_initialized", _S, "", ""),
-        ("transform", _P, "Tensor parallelism on DTensor for GPT-NeoX, Llama 2/3 (llama3 rope scaling) and Mistral, "
+        ("transform", _P, "Tensor parallelism on DTensor for GPT-NeoX, Llama 2/3 (llama3 rope scaling), Mistral and "
+         "Mixtral (attention split; router and experts whole on every tp rank), transformers 4.x and 5, "
          "Hugging Face names kept (a full save is a Hugging Face checkpoint); load_state_dict_from_rank0. "
          + _CP + " Mixtral with expert parallelism: config=MoEConfig(...).",
          "Other models: one SMPUnsupportedError naming the supported ones; use them at tp 1 without "
@@ -39,10 +40,12 @@ _ROWS: list[tuple[str, list[_Row]]] = [
         ("tensor_parallel.transformer.TETransformerLayer", _P, "SMP's name on torch < 2.2: AWS's fsdp_utils picks "
          "TransformerLayer on every torch smp_compat runs on; here the same class.", ""),
         ("moe.moe_config.MoEConfig", _P, "transform(model, config=MoEConfig(...)) runs Hugging Face Mixtral "
-         "(transformers >= 5) with SMP's MoE layer and expert parallelism: all four moe_load_balancing options, "
-         "moe_aux_loss_coeff and moe_z_loss_coeff, dropless. Not with tp or cp, nor load_state_dict_from_rank0 at "
-         "ep > 1.", "Other MoE models: train them without config=MoEConfig."),
-        ("moe.moe_layer.MoELayer", _S, "Each Mixtral decoder layer's mlp after transform(config=MoEConfig(...)) "
+         "(transformers 4.40-4.57's per-expert modules, whose names a full save keeps, or 5's stacked experts) "
+         "with SMP's MoE layer and expert parallelism: all four moe_load_balancing options, moe_aux_loss_coeff and "
+         "moe_z_loss_coeff, dropless. With tp at ep 1; not with ep and tp both > 1 (as SMP), nor cp, nor "
+         "load_state_dict_from_rank0 at ep > 1.", "Other MoE models: train them without config=MoEConfig."),
+        ("moe.moe_layer.MoELayer", _S, "Each Mixtral decoder layer's mlp (transformers 4.x: block_sparse_moe, "
+         "returning 4.x's (hidden_states, router_logits)) after transform(config=MoEConfig(...)) "
          "(the scripts' isinstance checks find it).", ""),
         ("nn.huggingface.llama_flashattn.LlamaFlashAttention", _S, "LlamaFlashAttention(config[, layer_idx]): the "
          "installed transformers' Llama attention (same parameters, call and return) computed by "

@@ -1,6 +1,10 @@
 """A tiny Hugging Face Mixtral through tsm.transform(config=MoEConfig(...)) and the scripts' FSDP call, and
 its one-process reference: stock Mixtral on every data-parallel rank's batch, routed the same way
-(``routing.route``), with the router losses added to the loss the reference backpropagates."""
+(``routing.route``), with the router losses added to the loss the reference backpropagates.
+
+Under transformers 4.x the reference is 4.x's own Mixtral (per-expert ``block_sparse_moe.experts.{i}.w1/w2/w3``
+modules); ``as_stacked`` writes its weights the way the transformed model holds them (5's stacks), with an
+expression of its own, so a comparison does not go through smp_compat's name mapping."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from smp_compat.v2.moe import routing
 from smp_compat.v2.moe.moe_config import MoEConfig
 
 EXPERTS, TOP_K = 4, 2
+HF4 = int(__import__("transformers").__version__.split(".")[0]) < 5
+BLOCK = "block_sparse_moe" if HF4 else "mlp"  # the decoder layer's MoE block
 
 
 def tiny_mixtral(seed: int = 0) -> nn.Module:
@@ -59,11 +65,44 @@ def _optimizer(model: nn.Module, sgd: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1.0) if sgd else fsdp_job.adamw(model)
 
 
+def _routed_as_v4(block: nn.Module, mode: str) -> None:
+    """transformers 4.x: the stock sparse-MoE block selecting with ``mode``, each expert its own 4.x module."""
+
+    def forward(self: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        logits = self.gate(x)
+        weights, indices = routing.route(logits, self.top_k, mode, self.training)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(indices == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype))
+        return out.reshape(hidden.shape), logits
+
+    block.forward = types.MethodType(forward, block)
+
+
 def _routed_mixtral(cfg: MoEConfig) -> nn.Module:
     model = tiny_mixtral()
     for layer in model.model.layers:
-        _routed_as(layer.mlp.gate, cfg.moe_load_balancing)
+        if HF4:
+            _routed_as_v4(layer.block_sparse_moe, cfg.moe_load_balancing)
+        else:
+            _routed_as(layer.mlp.gate, cfg.moe_load_balancing)
     return model
+
+
+def as_stacked(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict with every layer's experts as the transformed model holds them: 4.x's
+    ``experts.{i}.w1/w3`` rows stacked into ``experts.gate_up_proj`` [E, 2I, H], ``w2`` into ``down_proj``
+    [E, H, I]; a transformers 5 state dict is that already."""
+    if not HF4:
+        return dict(sd)
+    out = {k: v for k, v in sd.items() if ".experts." not in k}
+    for layer in {k.split(".experts.")[0] for k in sd if ".experts." in k}:
+        w = {n: [sd[f"{layer}.experts.{i}.{n}.weight"] for i in range(EXPERTS)] for n in ("w1", "w2", "w3")}
+        out[f"{layer}.experts.gate_up_proj"] = torch.stack([torch.cat(p) for p in zip(w["w1"], w["w3"])])
+        out[f"{layer}.experts.down_proj"] = torch.stack(w["w2"])
+    return out
 
 
 def reference_sgd_16(dp: int, cfg: MoEConfig) -> dict[str, torch.Tensor]:
@@ -141,3 +180,14 @@ def expert_rows(name: str, ep: int, ep_rank: int, tensor: torch.Tensor) -> torch
         return tensor
     per = tensor.shape[0] // ep
     return tensor[ep_rank * per : (ep_rank + 1) * per]
+
+
+def full_load_round_trip(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Load a stock Mixtral's state dict (Hugging Face names of the installed transformers) into the wrapped
+    ``model`` under FULL_STATE_DICT, as a fine-tuning start does, and give the full save that follows (rank 0)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        model.load_state_dict(tiny_mixtral(seed=11).state_dict(), strict=True)
+    return fsdp_job.full_params(model)

@@ -1,5 +1,7 @@
-"""Expert parallelism for Mixtral (issue 35, item 2): tsm.transform(config=MoEConfig(...)) + the scripts' FSDP
-call equal one-process Hugging Face Mixtral routed the same way, for every load-balancing option.
+"""Expert parallelism for Mixtral (issue 35, item 2; transformers 4.x: issue 39, item 2):
+tsm.transform(config=MoEConfig(...)) + the scripts' FSDP call equal one-process Hugging Face Mixtral of the
+installed transformers (5's stacked experts or 4.x's per-expert modules) routed the same way, for every
+load-balancing option; the full save carries that version's names and loads into its stock Mixtral.
 
 A wrong piece shows at 1e-3 or more: an expert gradient averaged over the expert mesh instead of every
 data-parallel rank is ep times too large; a lost router loss moves the router weights by ~1e-3; a token
@@ -26,10 +28,6 @@ pytestmark = pytest.mark.hf
 
 TOL = 3e-5
 BF16_TOL = 5e-2
-transformers = pytest.importorskip("transformers")
-if int(transformers.__version__.split(".")[0]) < 5:
-    pytest.skip("MoE transform needs transformers 5's stacked Mixtral experts (4.x is refused by name)",
-                allow_module_level=True)  # fmt: skip
 
 
 @functools.cache
@@ -43,8 +41,10 @@ def _train(ep: int, h: int, mode: str) -> dict[str, Any]:
     moe_job.init_ep(ep, h)
     model, _, losses = moe_job.scripted_ep_training(MoEConfig(moe_load_balancing=mode))
     full = fsdp_job.full_params(model) if mode == "none" else None  # the scripts' final FULL save
-    return {"losses": losses, "params": moe_job.local_params(model), "ep_rank": tsm.state.ep_rank,
-            "group": dist.get_process_group_ranks(model.process_group), "full": full}  # fmt: skip
+    params = moe_job.local_params(model)
+    loaded = moe_job.full_load_round_trip(model) if mode == "none" else None
+    return {"losses": losses, "params": params, "ep_rank": tsm.state.ep_rank,
+            "group": dist.get_process_group_ranks(model.process_group), "full": full, "loaded": loaded}  # fmt: skip
 
 
 def _train_bf16() -> dict[str, Any]:
@@ -70,6 +70,7 @@ def _ep_job(world_modes: list[str], h: int, ckpt: str | None) -> dict[str, Any]:
 
 def _check(results: list[dict[str, Any]], mode: str, world: int) -> None:
     ref_losses, ref_params = _reference(world, mode)
+    ref_params = moe_job.as_stacked(ref_params)
     for r, res in enumerate(results):
         got = res[mode]
         assert got["ep_rank"] == r % 2, f"rank {r}: ep_rank = dp_rank % ep"
@@ -85,7 +86,8 @@ def _check(results: list[dict[str, Any]], mode: str, world: int) -> None:
 
 def _step_error(got: dict[str, Any], ref: dict[str, torch.Tensor]) -> float:
     """Max over tensors of |got - ref| / max |ref's SGD step| (this ep rank's expert rows): the gradient's error."""
-    start = moe_job.tiny_mixtral().state_dict()
+    start = moe_job.as_stacked(moe_job.tiny_mixtral().state_dict())
+    ref = moe_job.as_stacked(ref)
     worst = 0.0
     for name, value in got["params"].items():
         want, first = (moe_job.expert_rows(name, 2, got["ep_rank"], t[name]) for t in (ref, start))
@@ -121,6 +123,8 @@ def test_ep2_world2_every_load_balancing_and_ep_checkpoint_folders(tmp_path: Pat
     assert full.keys() == ref_params.keys() and results[1]["none"]["full"] == {}
     assert fsdp_job.max_diff(full, ref_params) < TOL, "the full save gathers every ep rank's experts"
     moe_job.tiny_mixtral(seed=3).load_state_dict(full, strict=True)  # a stock Mixtral takes it
+    stock = moe_job.tiny_mixtral(seed=11).state_dict()
+    assert fsdp_job.max_diff(results[0]["none"]["loaded"], stock) == 0, "a stock full state dict loads at ep 2"
     for r, res in enumerate(results):
         assert res[LOAD_BALANCING[0]]["group"] == [r], f"rank {r}: the FSDP group holds one ep rank"
         resume = res["resume"]
@@ -251,6 +255,7 @@ def _hf_equal_job() -> dict[str, Any]:
         o["loss"].backward()
     grads = [{n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in m.named_parameters()}
              for m in (stock, model)]  # fmt: skip
+    grads[0] = moe_job.as_stacked(grads[0])  # transformers 4.x: the stock model's per-expert gradients stacked
     return {"moe_layers": layers, "wrapped": sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
             "names": (sorted(stock.state_dict()),
                       sorted(k.replace("_checkpoint_wrapped_module.", "") for k in model.state_dict())),

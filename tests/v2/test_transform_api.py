@@ -104,7 +104,7 @@ def test_transformer_layer_is_not_built_directly() -> None:
 
 
 def test_unsupported_models_name_the_supported_ones() -> None:
-    with pytest.raises(SMPUnsupportedError, match="GPT-NeoX, Llama .* and Mistral.*got Linear"):
+    with pytest.raises(SMPUnsupportedError, match="GPT-NeoX, Llama .*, Mistral and Mixtral.*got Linear"):
         tensor_parallelize(torch.nn.Linear(2, 2), None)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32))
     with pytest.raises(SMPUnsupportedError, match="got a Hugging Face 'gpt2' model"):
@@ -135,12 +135,13 @@ def test_moe_config_and_cp_comm_type_are_checked_before_anything_runs() -> None:
 
 @pytest.mark.parametrize(("key", "feature"), [("expert_parallel_degree", "expert parallelism")])
 def test_ep_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, key: str, feature: str) -> None:
-    """tsm.init refuses it today; transform keeps its own guard for when init accepts it (issue 35)."""
+    """Expert parallelism without config=MoEConfig(...) (Mixtral's way in) is refused by transform's own guard."""
     import types
 
     from smp_compat.v2.transform import api
 
     degrees = {"context_parallel_degree": 1, "expert_parallel_degree": 1, key: 2}
     monkeypatch.setattr(api, "state", types.SimpleNamespace(initialized=True, tensor_parallel_degree=1, **degrees))
-    with pytest.raises(SMPUnsupportedError, match=f"{feature} \\({key}=2\\) is not supported yet"):
+    refusal = f"{feature} \\({key}=2\\) works through transform\\(model, config=MoEConfig"
+    with pytest.raises(SMPUnsupportedError, match=refusal):
         transform(th.build("llama"))

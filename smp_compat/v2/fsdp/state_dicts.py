@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from smp_compat.v2.fsdp.build import FacadeState, facade_state
 from smp_compat.v2.moe.ep import own_experts, whole_experts
+from smp_compat.v2.moe.hf4 import from_hf4_names, to_hf4_names
 
 __all__ = ["install_hooks", "roots_in", "use_type", "optim_state_dict", "optim_state_dict_to_load"]
 
@@ -105,6 +106,7 @@ def _after_state_dict(module: nn.Module, sd: dict[str, Any], prefix: str, _meta:
                 del sd[k]
                 continue
             sd[k] = full.detach().cpu() if cfg.offload_to_cpu else full.detach()
+    to_hf4_names(sd, prefix)  # transformers 4.x Mixtral's per-expert names (moe/hf4.py)
     return sd
 
 
@@ -127,6 +129,8 @@ def _before_load(module: nn.Module, sd: dict[str, Any], prefix: str, *_: Any) ->
     if s.state_dict_type is StateDictType.SHARDED_STATE_DICT:
         return
     targets = {prefix + n: t for n, t in _named_tensors(module)}
+    if _is_full(s):
+        from_hf4_names(sd, set(targets))  # transformers 4.x Mixtral's per-expert names (moe/hf4.py)
     for k, value in list(sd.items()):
         target = targets.get(k)
         if not isinstance(target, DTensor) or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):

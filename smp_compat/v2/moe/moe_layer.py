@@ -1,7 +1,8 @@
 """``torch.sagemaker.moe.moe_layer.MoELayer``: a Mixtral sparse-MoE block with expert parallelism.
 
 ``transform(model, config=MoEConfig(...))`` puts one in place of each decoder layer's Hugging Face block,
-keeping its parameter names (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
+keeping its parameter names (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``;
+transformers 4.x's ``block_sparse_moe`` keeps its name and returns ``(hidden_states, router_logits)`` as 4.x's does).
 With ``expert_parallel_degree`` E, each rank of an expert-parallel group holds ``num_local_experts / E``
 experts (``LocalExperts``) and tokens travel to them over the group (dispatch.py). The router's auxiliary
 and z losses join the backward pass without changing the forward output (Megatron's way): the script's
@@ -99,15 +100,17 @@ class MoELayer(nn.Module):
     """Router + experts over the expert-parallel group; the block Mixtral's decoder layer calls as ``mlp``."""
 
     def __init__(self, gate: nn.Module, experts: LocalExperts, top_k: int, num_experts: int, config: MoEConfig,
-                 group: dist.ProcessGroup | None, ep_size: int, jitter_noise: float = 0.0) -> None:  # fmt: skip
+                 group: dist.ProcessGroup | None, ep_size: int, jitter_noise: float = 0.0,
+                 returns_router_logits: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.gate = gate  # Hugging Face's router: weight [num_experts, hidden]
         self.experts = experts
         self.top_k, self.num_experts, self.moe_config = top_k, num_experts, config
         self.ep_group, self.ep_size, self.jitter_noise = group, ep_size, jitter_noise
         self.last_router_loss: torch.Tensor | None = None  # detached, for logging
+        self.returns_router_logits = returns_router_logits  # transformers 4.x's decoder layer unpacks a pair
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
@@ -118,8 +121,8 @@ class MoELayer(nn.Module):
         weights, indices = routing.route(logits, self.top_k, self.moe_config.moe_load_balancing, self.training)
         pairs = self._run_experts(x, indices)  # [T * k, H], pair t*k + slot
         out = (pairs.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1)
-        out = self._join_router_losses(out, logits, indices)
-        return out.reshape(shape)
+        out = self._join_router_losses(out, logits, indices).reshape(shape)
+        return (out, logits) if self.returns_router_logits else out
 
     def _run_experts(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         flat = indices.flatten()

@@ -97,11 +97,12 @@ def _tp_from_state() -> tuple[int, DeviceMesh | None]:
     """(tensor_parallel_degree, the tp mesh) from ``tsm.state``; errors for init missing or ep."""
     if not state.initialized:
         raise SMPNotInitializedError("torch.sagemaker.transform needs torch.sagemaker.init() first.")
-    for key, feature in (("expert_parallel_degree", "expert parallelism"),):
-        if getattr(state, key) > 1:
-            raise SMPUnsupportedError(
-                f"torch.sagemaker.transform: {feature} ({key}={getattr(state, key)}) is not supported yet "
-                f"(issue 35){' without config=MoEConfig(...) (Mixtral)' if key[0] == 'e' else ''}; set {key} to 1."
-            )
+    ep = state.expert_parallel_degree
+    if ep > 1:
+        raise SMPUnsupportedError(
+            f"torch.sagemaker.transform: expert parallelism (expert_parallel_degree={ep}) works through "
+            "transform(model, config=MoEConfig(...)) for Mixtral; without config=MoEConfig(...) set "
+            "expert_parallel_degree to 1 (Mixtral then runs with its experts whole on every rank)."
+        )
     tp = state.tensor_parallel_degree
     return tp, (state.device_mesh["tp"] if tp > 1 else None)

@@ -1,6 +1,6 @@
 """A supported model family: how to find its decoder layers, and how each layer splits over the tp group.
 
-Each family module (llama.py, mistral.py, gpt_neox.py) describes itself with one ``Family``; ``find_family``
+Each family module (llama.py, mistral.py, mixtral.py, gpt_neox.py) describes itself with one ``Family``; ``find_family``
 picks the one whose ``model_type`` the model's Hugging Face config names.
 """
 
@@ -50,12 +50,12 @@ class Family:
 
 
 def _families() -> list[Family]:
-    from smp_compat.v2.transform import gpt_neox, llama, mistral
+    from smp_compat.v2.transform import gpt_neox, llama, mistral, mixtral
 
-    return [gpt_neox.FAMILY, llama.FAMILY, mistral.FAMILY]
+    return [gpt_neox.FAMILY, llama.FAMILY, mistral.FAMILY, mixtral.FAMILY]
 
 
-SUPPORTED = "GPT-NeoX, Llama (2, 3, 3.1) and Mistral"
+SUPPORTED = "GPT-NeoX, Llama (2, 3, 3.1), Mistral and Mixtral"
 
 
 def find_family(model: nn.Module) -> Family:
@@ -65,9 +65,8 @@ def find_family(model: nn.Module) -> Family:
         if model_type in family.model_types:
             return family
     seen = f"a Hugging Face {model_type!r} model" if model_type else f"{type(model).__name__} (not Hugging Face)"
-    extra = " Mixtral (MoE) and expert parallelism come with issue 35." if model_type == "mixtral" else ""
     raise SMPUnsupportedError(
-        f"torch.sagemaker.transform supports Hugging Face {SUPPORTED} models; got {seen}.{extra} "
+        f"torch.sagemaker.transform supports Hugging Face {SUPPORTED} models; got {seen}. "
         "Run other models without transform (plain FSDP through the script's own FullyShardedDataParallel call)."
     )
 
