@@ -65,7 +65,8 @@ def find_family(model: nn.Module) -> Family:
         if model_type in family.model_types:
             return family
     seen = f"a Hugging Face {model_type!r} model" if model_type else f"{type(model).__name__} (not Hugging Face)"
-    extra = " Mixtral (MoE) and expert parallelism come with issue 35." if model_type == "mixtral" else ""
+    extra = (" Mixtral transforms with config=MoEConfig(...) (SMP's MoE layer, expert parallelism): "
+             "transform(model, config=MoEConfig())." if model_type == "mixtral" else "")
     raise SMPUnsupportedError(
         f"torch.sagemaker.transform supports Hugging Face {SUPPORTED} models; got {seen}.{extra} "
         "Run other models without transform (plain FSDP through the script's own FullyShardedDataParallel call)."
