@@ -21,6 +21,7 @@ import fsdp_job
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported once here, before the ranks fork: see test_v2_checkpoints.py)
+import transformers
 import transformers.models.llama.modeling_llama  # noqa: F401
 import transformers.models.mixtral.modeling_mixtral  # noqa: F401
 from v2ckpt_eval import EVERY, LAYOUTS, Case, jobs
@@ -48,6 +49,10 @@ SLOW = {
                     + [Case("async_local", "tp2cp2", dropped=True)]],
     "full": [[Case("full", x) for x in ("hsd2", "hsd1", "hsd0", "ep2", "tp2cp2")]],
 }  # fmt: skip
+
+
+# ep 2 builds Mixtral through transform(config=MoEConfig()), which needs transformers 5 (as test_moe_ep.py skips)
+MOE = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _tp1_llama(case: Case) -> bool:
@@ -81,6 +86,6 @@ def test_checkpoint_after_evaluation_resumes_as_the_straight_run(tmp_path, kind:
 @pytest.mark.parametrize("kind", list(SLOW))
 def test_checkpoint_after_evaluation_at_every_layout(tmp_path, kind: str) -> None:
     for i, cases in enumerate(SLOW[kind]):
-        _check(cases, tmp_path / str(i))
+        _check([c for c in cases if MOE or c.layout != "ep2"], tmp_path / str(i))
     covered = {c.layout for job in [DEFAULT[kind], *SLOW[kind]] for c in job}
     assert covered == set(LAYOUTS) - ({"tp2", "tp2cp2"} if kind == "local" else set())
