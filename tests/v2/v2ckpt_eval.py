@@ -161,4 +161,10 @@ def jobs(kind: str, cases: list[Case], root: str, home: str) -> list[dict[str, A
     """Each case's straight run (``kind`` "straight") or resume, one after another in these ranks."""
     fresh_container(home)
     body = _straight if kind == "straight" else _resume
-    return [body(case, os.path.join(root, str(case))) for case in cases]
+    results = []
+    for case in cases:
+        try:
+            results.append(body(case, os.path.join(root, str(case))))
+        except Exception as e:  # several cases share the job: say which one failed
+            raise RuntimeError(f"{kind} job, case {case}: {type(e).__name__}: {e}") from e
+    return results
