@@ -81,6 +81,28 @@ def test_global_coordinator_rank_becomes_the_group_rank() -> None:
     assert results[1] == results[2] == [0, 1, -1]
 
 
+def _writer_groups_after_replica_zero_saved() -> float:
+    """Replica 0 (ranks 0, 1) makes the async_sharded writer group; then every rank makes its async_local one
+    with a rank of the other replica ({0, 2}, {1, 3}), as a job saving both types does; one sum over it."""
+    import torch.distributed as dist
+
+    from smp_compat.v2.distributed.checkpoint.state_dict_saver import _writer_group
+
+    rank, shard = dist.get_rank(), dist.new_group([0, 1])
+    replication = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    if rank < 2:
+        _writer_group(shard)
+    total = torch.ones(())
+    dist.all_reduce(total, group=_writer_group(replication))
+    return float(total)
+
+
+def test_async_writer_groups_form_whichever_ranks_saved_before() -> None:
+    """Torch names a member-only group by the number of groups the process made: without our naming the
+    second groups waited under different names forever (this test timed out)."""
+    assert run_ranks(_writer_groups_after_replica_zero_saved, 4, timeout=60) == [2.0] * 4
+
+
 def test_async_save_refuses_s3() -> None:
     with pytest.raises(SMPUnsupportedError, match="S3"):
         async_save({}, checkpoint_id="s3://bucket/ckpt")

@@ -11,7 +11,8 @@ attributes (``process_group``, ``rank``, ``world_size``, ``sharding_strategy``, 
 FSDP1's state-dict static methods dispatch to FSDP2 logic for such models (state_dicts.py has the contract).
 
 Modules: context (what is read from tsm.state), layout (groups and strategy), policies (auto-wrap units),
-build (the constructor), broadcast (sync_module_states), state_dicts, patches (the class attributes).
+build (the constructor), broadcast (sync_module_states), state_dicts, reshard (the parameters the optimizer
+holds, registered again after a forward with no backward), patches (the class attributes).
 """
 
 from __future__ import annotations

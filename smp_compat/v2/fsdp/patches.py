@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from smp_compat.errors import SMPUnsupportedError
-from smp_compat.v2.fsdp import build, context, state_dicts
+from smp_compat.v2.fsdp import build, context, reshard, state_dicts
 
 __all__ = ["install", "installed"]
 
@@ -53,6 +53,7 @@ def _new(cls: type, module: nn.Module | None = None, *args: Any, **kwargs: Any) 
         return object.__new__(cls)  # FSDP1 and its bases define no __new__ of their own
     root = build.build(ctx, module, *args, **kwargs)
     state_dicts.install_hooks(root)
+    reshard.install(root)
     return root
 
 

@@ -40,6 +40,7 @@ from torch.distributed.fsdp.api import FullOptimStateDictConfig, OptimStateDictC
 from torch.distributed.tensor import DTensor
 
 from smp_compat.v2.fsdp.build import FacadeState, facade_state
+from smp_compat.v2.fsdp.reshard import reshard_tree
 from smp_compat.v2.moe.ep import own_experts, whole_experts
 from smp_compat.v2.moe.hf4 import from_hf4_names, to_hf4_names
 
@@ -55,7 +56,10 @@ def roots_in(module: nn.Module) -> list[nn.Module]:
 def use_type(
     roots: list[nn.Module], kind: StateDictType, cfg: StateDictConfig | None, optim_cfg: OptimStateDictConfig | None
 ) -> Iterator[None]:
-    """Set the state-dict type on the roots for the block, then restore the previous one (as FSDP1)."""
+    """Set the state-dict type on the roots for the block, then restore the previous one (as FSDP1).
+    The trees are resharded first, so the block sees the parameters the optimizer holds (reshard.py)."""
+    for r in roots:
+        reshard_tree(r)
     states = [facade_state(r) for r in roots]
     saved = [(s.state_dict_type, s.state_dict_config, s.optim_state_dict_config) for s in states]
     for s in states:
@@ -169,6 +173,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, root: nn.Mo
     """``FSDP.optim_state_dict`` for a façade model: the optimizer state keyed by parameter name."""
     s = facade_state(root)
     options, rank0 = _options(s, for_load=False)
+    reshard_tree(model)  # a forward with no backward left unsharded parameters registered (reshard.py)
     osd = get_optimizer_state_dict(model, optim, options=options)
     cfg = s.optim_state_dict_config
     if _is_full(s) and cfg is not None and cfg.offload_to_cpu:
@@ -183,6 +188,7 @@ def optim_state_dict_to_load(
 ) -> dict[str, Any]:
     """``FSDP.optim_state_dict_to_load``: load ``osd`` into ``optim``, return what ``optim.load_state_dict`` takes."""
     options, _ = _options(facade_state(root), for_load=True)
+    reshard_tree(model)
     if not options.full_state_dict:
         osd = _sharded_tensors_to_dtensors(model, osd)
     set_optimizer_state_dict(model, optim, osd, options=options)

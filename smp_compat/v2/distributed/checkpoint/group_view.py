@@ -59,11 +59,15 @@ def _chunk(size: int, parts: int, index: int) -> int:
     return max(0, min(size, step * (index + 1)) - step * index)
 
 
-def _view(t: DTensor, members: set[int]) -> DTensor:
-    """``t`` on the dims the group spans, its shape that of the slice held by the group."""
+def _view(t: DTensor, members: set[int]) -> torch.Tensor:
+    """``t`` on the dims the group spans, its shape that of the slice held by the group. A group of this rank
+    alone (async_local's replication group when nothing is replicated, e.g. ep 2 at hsd 4 on 4 ranks) holds
+    this rank's piece: the local tensor itself."""
     mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
     outside = _outside_dims(t, members)
     inside = [d for d in range(mesh.ndim) if d not in outside]
+    if not inside and members == {dist.get_rank()}:
+        return t.to_local()
     if mesh.mesh_dim_names is None or not inside:
         raise CheckpointError(
             f"Cannot save a DTensor over a process group that spans none of its mesh dims (mesh {mesh}); "

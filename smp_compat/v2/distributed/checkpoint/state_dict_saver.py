@@ -10,7 +10,10 @@ S3 destinations (``s3_region``, ``s3client_config``, ``s3://`` ids) are refused:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -61,8 +64,33 @@ def _writer_group(process_group: Any) -> Any:
     else:
         ranks = tuple(dist.get_process_group_ranks(process_group))
     if ranks not in _WRITER_GROUPS:
-        _WRITER_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        with _named_by_ranks():
+            _WRITER_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return _WRITER_GROUPS[ranks]
+
+
+@contextlib.contextmanager
+def _named_by_ranks() -> Iterator[None]:
+    """Name the member-only group by its ranks alone. Torch names it by its ranks *and how many groups this
+    process made*, so members whose histories differ wait under different names forever: async_sharded's
+    writers are replica 0 only, and a later member-only group with another rank (async_local's writer, in a
+    job that saves both, as HyperPod's adapter does) hung. Each rank set's group is made once (cached above),
+    so its name is unique in the process."""
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_hash_ranks_to_str", None)
+    if original is None:  # another torch: its own naming
+        yield
+        return
+    c10d._hash_ranks_to_str = _ranks_name
+    try:
+        yield
+    finally:
+        c10d._hash_ranks_to_str = original
+
+
+def _ranks_name(ranks: list[int]) -> str:
+    name = "smp_compat.async_save.writer:" + "_".join(map(str, ranks))
+    return hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()
 
 
 def async_save(
