@@ -54,7 +54,8 @@ def util_job(kind: str, layout: Layout, folder: str, home: str, seed: int, save_
         assert loaded[tsm_fsdp_checkpoint.EXPORT_KEY_MODEL] is model
         assert loaded[tsm_fsdp_checkpoint.EXPORT_KEY_OPTIMIZER] is optimizer
         assert loaded[tsm_fsdp_checkpoint.EXPORT_KEY_SCHEDULER] is scheduler
-        counters = loaded[tsm_fsdp_checkpoint.EXPORT_KEY_IDENTITY]
+        counters = dict(loaded[tsm_fsdp_checkpoint.EXPORT_KEY_IDENTITY])
+        assert counters.pop("epoch") == 0  # AWS's scripts read an epoch they never export (SMP's identity had one)
     else:
         counters = load_sharded(model, optimizer, mesh, layout, folder,
                                 {"scheduler": scheduler.state_dict(), **{key: 0 for key in EXPORTS}})

@@ -39,6 +39,7 @@ __all__ = [
     "EXPORT_KEY_MODEL",
     "EXPORT_KEY_OPTIMIZER",
     "EXPORT_KEY_SCHEDULER",
+    "IDENTITY_DEFAULTS",
     "load_model_checkpoint",
     "save_model_checkpoint",
 ]
@@ -49,6 +50,11 @@ EXPORT_KEY_OPTIMIZER = "optimizer"
 EXPORT_KEY_SCHEDULER = "scheduler"
 EXPORT_KEY_IDENTITY = "identity"
 """``load_model_checkpoint``'s entry for the ``extra_imports`` values read from the checkpoint."""
+
+IDENTITY_DEFAULTS: dict[str, Any] = {"epoch": 0}
+"""What the identity entry holds when the checkpoint does not: AWS's HyperPod scripts export three counters,
+not ``epoch``, and read ``identity["epoch"]`` back after the load, so SMP's identity entry held an ``epoch`` of
+its own, which it could only have defaulted; a script that exports ``epoch`` gets its saved value."""
 
 _log = logging.getLogger("smp_compat.v2.checkpoint")
 _RESERVED = (EXPORT_KEY_MODEL, EXPORT_KEY_OPTIMIZER, EXPORT_KEY_SCHEDULER)
@@ -139,7 +145,8 @@ def load_model_checkpoint(
 ) -> dict[str, Any]:
     """Load a sharded checkpoint into the model (and optimizer, scheduler) in place; returns them under the
     ``EXPORT_KEY_*`` keys, with the ``extra_imports`` keys' saved values under ``EXPORT_KEY_IDENTITY`` (their
-    given values are templates: a key the checkpoint lacks raises CheckpointError)."""
+    given values are templates: a key the checkpoint lacks raises CheckpointError), and ``epoch`` 0 unless one
+    was saved (``IDENTITY_DEFAULTS``)."""
     del sharding_strategy
     _check_type(state_dict_type)
     group, coordinator, _ = _metadata(checkpointing_pg_metadata)
@@ -160,8 +167,9 @@ def load_model_checkpoint(
         _load_optimizer(model, optimizer, state[EXPORT_KEY_MODEL], folder, group)
     if log:
         _log.info("load_model_checkpoint: read %s", folder)
+    identity = {**IDENTITY_DEFAULTS, **{key: state[key] for key in extra}}
     return {EXPORT_KEY_MODEL: model, EXPORT_KEY_OPTIMIZER: optimizer, EXPORT_KEY_SCHEDULER: scheduler,
-            EXPORT_KEY_IDENTITY: {key: state[key] for key in extra}}  # fmt: skip
+            EXPORT_KEY_IDENTITY: identity}  # fmt: skip
 
 
 def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
