@@ -30,6 +30,7 @@ from smp_compat.cli.run_job import (
 from smp_compat.cli.sm_env import TrainingJob, prepare_job_dirs
 from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import BIND_ENV
+from smp_compat.host.cuda_on_cpu import CPU_CUDA_ENV
 from smp_compat.host.heap import TUNE_MALLOC_ENV
 
 __all__ = ["LaunchPlan", "note", "plan_launch", "run_command"]
@@ -96,12 +97,15 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
 
 
 def _option_variables(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str]:
-    """What --bind-cores, --[no-]tune-malloc and --trust-checkpoint export (applied in every process)."""
+    """What --bind-cores, --[no-]tune-malloc, --[no-]cpu-cuda and --trust-checkpoint export (applied in every
+    process)."""
     out: dict[str, str] = {}
     if ns.bind_cores:
         out[BIND_ENV] = "1"
     if ns.tune_malloc is not None:
         out[TUNE_MALLOC_ENV] = "1" if ns.tune_malloc else "0"
+    if ns.cpu_cuda is not None:
+        out[CPU_CUDA_ENV] = "1" if ns.cpu_cuda else "0"
     if ns.trust_checkpoint:
         out[TRUST_ENV] = trust_value(ns.trust_checkpoint, env.get(TRUST_ENV))
     return out

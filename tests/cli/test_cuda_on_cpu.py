@@ -1,0 +1,116 @@
+"""The CPU mode (smp_compat/host/cuda_on_cpu.py): an SMP script's unguarded torch.cuda calls answered on a machine
+with no CUDA device, never where CUDA is available, never to libraries, and off with SMP_COMPAT_CPU_CUDA=0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
+from smp_compat.cli.run import plan_launch
+from smp_compat.host import cuda_on_cpu
+from smp_compat.host.cuda_on_cpu import CPU_CUDA_ENV, SERVED, install, installed
+from smp_compat.shim import SITE_DIR
+
+SCRIPT = ROOT / "tests" / "v2" / "scripts" / "cuda_calls.py"
+
+
+@pytest.fixture
+def restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch.cuda's functions put back after the test (install replaces them in this process)."""
+    monkeypatch.delenv(CPU_CUDA_ENV, raising=False)
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in
+             (cuda_on_cpu._owner(torch.cuda, name) for name in SERVED) if owner is not None]  # fmt: skip
+    yield
+    for owner, attr, real in saved:
+        setattr(owner, attr, real)
+
+
+def _call_as(module: str, filename: str, expression: str) -> object:
+    """Evaluate ``expression`` as code of ``module`` in ``filename`` would (what the caller check sees)."""
+    return eval(compile(expression, filename, "eval"), {"__name__": module, "torch": torch})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode is for machines without CUDA")
+def test_served_to_the_script_once_announced_and_not_to_libraries(restored: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert install(torch) and installed(torch) and not install(torch)  # a second install does nothing
+    assert 5 % torch.cuda.device_count() == 0 and torch.cuda.current_device() == 0
+    for _ in range(2):
+        torch.cuda.set_device(0)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("step")
+        torch.cuda.nvtx.range_pop()
+        with torch.cuda.nvtx.range("x"):
+            pass
+        torch.cuda.cudart().cudaProfilerStart()
+        torch.cuda.reset_peak_memory_stats()
+    assert not torch.cuda.is_available() and not torch.cuda.is_initialized()
+    err = capsys.readouterr().err
+    for name in ("device_count", "set_device", "synchronize", "nvtx.range_push", "cudart", "reset_peak_memory_stats"):
+        assert err.count(f"torch.cuda.{name}() served on CPU") == 1, err  # once per process
+    # torch, smp_compat and installed packages (transformers, accelerate) get torch's own answers
+    assert _call_as("torch.distributed.fsdp._x", "x.py", "torch.cuda.device_count()") == 0
+    assert _call_as("smp_compat.v2.startup", "x.py", "torch.cuda.device_count()") == 0
+    site_file = os.path.join(sysconfig.get_paths()["purelib"], "transformers", "x.py")
+    assert _call_as("transformers.x", site_file, "torch.cuda.device_count()") == 0
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        _call_as("transformers.x", site_file, "torch.cuda.synchronize()")
+
+
+def test_not_installed_where_cuda_is_available(restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not install(torch) and not installed(torch) and torch.cuda.synchronize is real
+
+
+def test_not_installed_when_opted_out(restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_CUDA_ENV, "0")
+    assert not install(torch) and not installed(torch)
+
+
+def test_run_flag_exports_the_opt_out(tmp_path: Path) -> None:
+    base = ["--job-dir", str(tmp_path), str(SCRIPT)]
+    assert CPU_CUDA_ENV not in plan_launch(base, {}).env_updates  # default: on, nothing exported
+    assert plan_launch(["--no-cpu-cuda", *base], {}).env_updates[CPU_CUDA_ENV] == "0"
+    plan = plan_launch(["--cpu-cuda", *base], {})
+    assert plan.env_updates[CPU_CUDA_ENV] == "1" and "--cpu-cuda" not in plan.command
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode is for machines without CUDA")
+def test_aws_cuda_calls_run_unmodified_under_smp_compat_run(tmp_path: Path) -> None:
+    cmd = [*smp_compat_command(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "--job-dir", str(tmp_path / "job"), "--config", '{"hybrid_shard_degree": 2}', str(SCRIPT),
+           "--out", str(tmp_path)]  # fmt: skip
+    run_all([(cmd, clean_env())], tmp_path)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # the reference: the same step in one process of plain torch, each rank's batch (FSDP averages the grads)
+    for rank, report in enumerate(reports):
+        assert report["device"] == 0 and report["current_device"] == 0 and not report["is_available"]
+        assert report["param_device"] == "cpu" and report["memory"] == [0, 0, 0, 0]
+        torch.manual_seed(0)
+        assert report["loss"] == pytest.approx(torch.nn.Linear(4, 2)(torch.full((3, 4), rank + 1.0)).square().mean().item())
+    log = (tmp_path / "proc0.log").read_text()
+    for name in ("device_count", "set_device", "current_device", "synchronize", "nvtx.range_push", "nvtx.range_pop",
+                 "cudart", "reset_peak_memory_stats"):  # fmt: skip
+        for rank in range(2):
+            assert log.count(f"rank {rank}: torch.cuda.{name}() served on CPU") == 1, log
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode is for machines without CUDA")
+def test_sitecustomize_arms_the_mode_and_the_variable_turns_it_off() -> None:
+    code = "import torch; print(torch.cuda.device_count(), torch.cuda.is_available())"
+    for value, expected in (("1", ["1", "False"]), ("0", ["0", "False"])):
+        env = clean_env(PYTHONPATH=SITE_DIR, **{CPU_CUDA_ENV: value})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == expected, out.stderr
+        assert ("device_count() served on CPU" in out.stderr) == (value == "1")
