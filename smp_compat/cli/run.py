@@ -20,7 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from smp_compat.checkpoints.load_policy import TRUST_ENV, trust_value
-from smp_compat.cli.launch_config import LaunchConfig, SMPLaunch, choose_launch_config, launch_environment, resolve_smp
+from smp_compat.cli.launch_config import (
+    SMP_V2, LaunchConfig, SMPLaunch, choose_launch_config, launch_environment, resolve_smp, with_script_major,
+)  # fmt: skip
 from smp_compat.cli.restarts import rendezvous_environment
 from smp_compat.cli.run_args import NNODES_OPTIONS, NPROC_OPTIONS, local_world_size, node_count, option_value
 from smp_compat.cli.run_args import parse_run_argv
@@ -70,8 +72,9 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     args = parse_run_argv(argv)
     ns, estimator = args.ns, args.estimator
     # 2. The SMP config (--config, the estimator's distribution, an inherited SM_HP_MP_PARAMETERS); its major
-    #    version picks the part of the launch that checks it, exports it and shows its layout.
-    launch = choose_launch_config(ns.config, estimator, env)
+    #    version (without any config: the script's imports) picks the part of the launch that checks it, exports
+    #    it and shows its layout.
+    launch = with_script_major(choose_launch_config(ns.config, estimator, env), args.script[0])
     smp = resolve_smp(launch)
     # 3. The SageMaker job.
     options, notes = process_counts(args.torchrun_options, estimator, launch, env)
@@ -154,7 +157,8 @@ def _print_dry_run(plan: LaunchPlan) -> None:
     else:
         plan.smp.print_layout(plan.world_size, plan.nnodes, plan.nproc_per_node)
     if plan.launch.parameters is None:
-        print("No launch config: the script's smp.init(...) dict decides (layout shown for the defaults).")
+        init = "tsm.init" if plan.launch.major == SMP_V2 else "smp.init"
+        print(f"No launch config: the script's {init}(...) dict decides (layout shown for the defaults).")
     if plan.job is not None:
         print_job(plan.job, plan.env_updates, plan.cwd)
     print("Environment added for every process:")
