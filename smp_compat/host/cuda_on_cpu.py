@@ -12,9 +12,10 @@ Safe by construction:
 
 * installed only when ``torch.cuda.is_available()`` is False once torch is imported: on a machine with a CUDA
   device nothing is replaced, so a real CUDA error can never become a silent no-op;
-* ``torch.cuda.is_available()`` stays False, and calls from torch, smp_compat and installed packages
-  (transformers, accelerate, FSDP: anything under site-packages or the standard library) get torch's own
-  function, so no library is led to think CUDA exists; only the script's own code is served;
+* ``torch.cuda.is_available()`` stays False, and only the script's own code (files in the running script's
+  folder, or code in no file: ``python -c``, a notebook) is served; calls from torch, smp_compat and every
+  other package (transformers, accelerate, FSDP, wherever installed) get torch's own function, so no library
+  is led to think CUDA exists;
 * opt out with ``SMP_COMPAT_CPU_CUDA=0`` (``smp-compat run --no-cpu-cuda``).
 
 Standard library only at module level: the launcher's ``sitecustomize`` loads this file by path at interpreter
@@ -42,7 +43,7 @@ CPU_CUDA_ENV = "SMP_COMPAT_CPU_CUDA"
 _MARK = "_smp_compat_cpu_served"
 """Set on every replacement, so a second install (a copy of this file loaded under another name) does nothing."""
 
-_LIBRARY_PACKAGES = ("torch", "smp_compat", "_smp_compat_")
+_LIBRARY_PACKAGES = ("torch", "smp_compat")
 
 
 class _CudartOnCPU:
@@ -108,20 +109,33 @@ def installed(torch: ModuleType) -> bool:
     return bool(getattr(torch.cuda.synchronize, _MARK, False))
 
 
-def install(torch: ModuleType | None = None) -> bool:
+def install(torch: ModuleType | None = None, script_dir: str | None = None) -> bool:
     """Replace the ``SERVED`` functions of ``torch.cuda`` when no CUDA device is usable; True when it did.
 
-    Nothing happens when CUDA is available (a GPU machine), when opted out, or when already installed.
+    Served to code in ``script_dir`` (default: the folder of the running script, ``sys.argv[0]``) and to code
+    that is not in a file (``python -c``, a notebook cell); everything else gets torch's own function. Nothing
+    happens when CUDA is available (a GPU machine), when opted out, or when already installed.
     """
     if torch is None:
         import torch  # noqa: PLC0415 - only here: this file must load before torch
     if not enabled() or installed(torch) or torch.cuda.is_available():
         return False
+    folder = _folder(script_dir if script_dir is not None else _script_dir())
     for name, (answer, what) in SERVED.items():
         owner, attr = _owner(torch.cuda, name)
         if owner is not None:
-            setattr(owner, attr, _serve(f"torch.cuda.{name}", getattr(owner, attr), answer, what))
+            setattr(owner, attr, _serve(f"torch.cuda.{name}", getattr(owner, attr), answer, what, folder))
     return True
+
+
+def _script_dir() -> str:
+    """The running script's folder; the working directory for ``python -c`` and the interactive prompt."""
+    script = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    return os.path.dirname(os.path.abspath(script)) if os.path.isfile(script) else os.getcwd()
+
+
+def _folder(path: str) -> str:
+    return os.path.join(os.path.realpath(path), "")
 
 
 def _owner(cuda: ModuleType, name: str) -> tuple[Any, str]:
@@ -133,13 +147,15 @@ def _owner(cuda: ModuleType, name: str) -> tuple[Any, str]:
     return (owner, attr) if owner is not None and hasattr(owner, attr) else (None, attr)
 
 
-def _serve(qualname: str, real: Callable[..., Any], answer: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """``answer`` for the script's own code (announced once), torch's ``real`` for libraries."""
+def _serve(
+    qualname: str, real: Callable[..., Any], answer: Callable[..., Any], what: str, folder: str
+) -> Callable[..., Any]:
+    """``answer`` for the script's own code (announced once), torch's ``real`` for everything else."""
     announced: list[bool] = []
 
     @functools.wraps(real)
     def served(*args: Any, **kwargs: Any) -> Any:
-        if _called_from_library(sys._getframe(1)):
+        if not _called_from_script(sys._getframe(1), folder):
             return real(*args, **kwargs)
         if not announced:
             announced.append(True)
@@ -162,15 +178,20 @@ def _library_roots() -> tuple[str, ...]:
     """Folders whose code is a library's: site-packages (pure and platform) and the standard library."""
     paths = sysconfig.get_paths()
     roots = {os.path.realpath(paths[key]) for key in ("purelib", "platlib", "stdlib", "platstdlib") if key in paths}
-    return tuple(sorted(root + os.sep for root in roots))
+    return tuple(sorted(os.path.join(root, "") for root in roots))
 
 
-def _called_from_library(frame: Any) -> bool:
-    """True for torch, smp_compat and installed packages; False for the script and its own modules."""
+def _called_from_script(frame: Any, folder: str) -> bool:
+    """True for code in the script's folder (not torch's, smp_compat's or an installed package's, even there) and
+    for code that is in no file; False for everything else (transformers, accelerate, FSDP, ...)."""
     module = str(frame.f_globals.get("__name__", ""))
-    if module.split(".")[0] in _LIBRARY_PACKAGES or module.startswith(_LIBRARY_PACKAGES[2]):
-        return True
-    return os.path.realpath(frame.f_code.co_filename).startswith(_library_roots())
+    if module.split(".")[0] in _LIBRARY_PACKAGES or module.startswith("_smp_compat_"):
+        return False
+    filename = frame.f_code.co_filename
+    if filename.startswith("<"):
+        return True  # python -c, the prompt, a notebook cell
+    path = os.path.realpath(filename)
+    return path.startswith(folder) and not path.startswith(_library_roots())
 
 
 # ---------------------------------------------------------------- at interpreter start, before torch

@@ -21,6 +21,8 @@ from smp_compat.host.cuda_on_cpu import CPU_CUDA_ENV, SERVED, install, installed
 from smp_compat.shim import SITE_DIR
 
 SCRIPT = ROOT / "tests" / "v2" / "scripts" / "cuda_calls.py"
+HERE = Path(__file__).parent
+"""The folder of the 'script' the in-process tests stand for: their own calls are served."""
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ def _call_as(module: str, filename: str, expression: str) -> object:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode is for machines without CUDA")
 def test_served_to_the_script_once_announced_and_not_to_libraries(restored: None, capsys: pytest.CaptureFixture[str]) -> None:
-    assert install(torch) and installed(torch) and not install(torch)  # a second install does nothing
+    assert install(torch, script_dir=str(HERE)) and installed(torch) and not install(torch)  # the second: nothing
     assert 5 % torch.cuda.device_count() == 0 and torch.cuda.current_device() == 0
     for _ in range(2):
         torch.cuda.set_device(0)
@@ -56,11 +58,15 @@ def test_served_to_the_script_once_announced_and_not_to_libraries(restored: None
     err = capsys.readouterr().err
     for name in ("device_count", "set_device", "synchronize", "nvtx.range_push", "cudart", "reset_peak_memory_stats"):
         assert err.count(f"torch.cuda.{name}() served on CPU") == 1, err  # once per process
-    # torch, smp_compat and installed packages (transformers, accelerate) get torch's own answers
-    assert _call_as("torch.distributed.fsdp._x", "x.py", "torch.cuda.device_count()") == 0
-    assert _call_as("smp_compat.v2.startup", "x.py", "torch.cuda.device_count()") == 0
+    # the script's other modules and code in no file are served; torch, smp_compat and any package, wherever
+    # installed (site-packages, a --target folder on PYTHONPATH), get torch's own answers
+    assert _call_as("memory_tracker", str(HERE / "data" / "memory_tracker.py"), "torch.cuda.device_count()") == 1
+    assert _call_as("__main__", "<string>", "torch.cuda.device_count()") == 1
+    assert _call_as("torch.distributed.fsdp._x", str(HERE / "x.py"), "torch.cuda.device_count()") == 0
+    assert _call_as("smp_compat.v2.startup", str(HERE / "x.py"), "torch.cuda.device_count()") == 0
     site_file = os.path.join(sysconfig.get_paths()["purelib"], "transformers", "x.py")
     assert _call_as("transformers.x", site_file, "torch.cuda.device_count()") == 0
+    assert _call_as("accelerate.utils", "/opt/extra/accelerate/utils.py", "torch.cuda.device_count()") == 0
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         _call_as("transformers.x", site_file, "torch.cuda.synchronize()")
 
