@@ -31,7 +31,7 @@ import importlib.machinery
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -98,7 +98,7 @@ SERVED: dict[str, tuple[Callable[..., Any], str]] = {
 manual_seed[_all] already answer harmlessly there and are left alone."""
 
 
-def enabled(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the CPU mode may install here (``SMP_COMPAT_CPU_CUDA`` is not ``0``)."""
     env = os.environ if environ is None else environ
     return env.get(CPU_CUDA_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
