@@ -198,21 +198,26 @@ def _called_from_script(frame: Any, folder: str) -> bool:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of ``torch`` so ``install`` runs once torch is imported."""
+    """Finds nothing itself: wraps the loader of ``torch`` so ``install`` runs once torch is imported.
+
+    Stays on ``sys.meta_path`` until torch is executed: ``importlib.util.find_spec("torch")`` (transformers
+    asks it before importing torch) only finds.
+    """
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "torch":
             return None
-        sys.meta_path.remove(self)  # one-shot; also keeps the search below from finding this finder
         for finder in list(sys.meta_path):
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            if isinstance(finder, _AfterTorch) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                 spec.loader = _InstallAfter(spec.loader)
-                return spec
-            if spec is not None:
-                return spec
+            return spec
         return None
 
 
@@ -226,6 +231,8 @@ class _InstallAfter(importlib.abc.Loader):
         return self.real.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        for finder in [f for f in sys.meta_path if isinstance(f, _AfterTorch)]:
+            sys.meta_path.remove(finder)  # torch is imported once
         if module.__spec__ is not None:
             module.__spec__.loader = self.real
         module.__loader__ = self.real
