@@ -189,7 +189,7 @@ def _called_from_script(frame: Any, folder: str) -> bool:
         return False
     filename = frame.f_code.co_filename
     if filename.startswith("<"):
-        return True  # python -c, the prompt, a notebook cell
+        return not filename.startswith("<frozen")  # python -c, the prompt, a notebook cell; not frozen stdlib
     path = os.path.realpath(filename)
     return path.startswith(folder) and not path.startswith(_library_roots())
 

@@ -62,6 +62,7 @@ def test_served_to_the_script_once_announced_and_not_to_libraries(restored: None
     # installed (site-packages, a --target folder on PYTHONPATH), get torch's own answers
     assert _call_as("memory_tracker", str(HERE / "data" / "memory_tracker.py"), "torch.cuda.device_count()") == 1
     assert _call_as("__main__", "<string>", "torch.cuda.device_count()") == 1
+    assert _call_as("runpy", "<frozen runpy>", "torch.cuda.device_count()") == 0
     assert _call_as("torch.distributed.fsdp._x", str(HERE / "x.py"), "torch.cuda.device_count()") == 0
     assert _call_as("smp_compat.v2.startup", str(HERE / "x.py"), "torch.cuda.device_count()") == 0
     site_file = os.path.join(sysconfig.get_paths()["purelib"], "transformers", "x.py")
