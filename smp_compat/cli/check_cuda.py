@@ -54,12 +54,12 @@ def _hint(name: str, found: list[int], unguarded: bool) -> str:
     unique = sorted(set(found))
     where = f"line {unique[0]}" if len(unique) == 1 else "lines " + ", ".join(str(n) for n in unique)
     call = f"torch.cuda.{name}()"
+    if not unguarded:
+        return f"{where}: {call} is only under a CUDA-availability test: fine without a GPU."
     if name in SERVED:
         return f"{where}: {call} without a GPU: served by smp-compat run's CPU mode ({SERVED[name][1]})."
     if name in HARMLESS:
         return f"{where}: {call} without a GPU: runs as it is ({HARMLESS[name]})."
-    if not unguarded:
-        return f"{where}: {call} is only under a CUDA-availability test: fine without a GPU."
     return (f"{where}: {call} fails without a GPU and the CPU mode does not serve it; put it under "
             "`if torch.cuda.is_available():` to run the script on CPU too.")  # fmt: skip
 

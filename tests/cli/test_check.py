@@ -208,12 +208,14 @@ def test_every_cuda_call_is_listed_with_what_it_does_without_a_gpu() -> None:
         torch.cuda.synchronize(); torch.cuda.synchronize()
         torch.cuda.memory_allocated(device=device)
         torch.cuda.mem_get_info()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
         torch.set_device = None  # not CUDA's
     """))
     hints = {h.split(": ", 1)[1].split("()")[0] + "()": h for h in report.hints}
     assert list(hints) == ["torch.cuda.get_device_name()", "torch.cuda.device_count()", "torch.cuda.nvtx.range_push()",
                            "torch.cuda.cudart()", "torch.cuda.synchronize()", "torch.cuda.memory_allocated()",
-                           "torch.cuda.mem_get_info()"]  # fmt: skip
+                           "torch.cuda.mem_get_info()", "torch.cuda.set_device()"]  # fmt: skip
     assert hints["torch.cuda.get_device_name()"].startswith("lines 6, 10: ") and "only under" in hints["torch.cuda.get_device_name()"]
     assert "served by smp-compat run's CPU mode (returns 1" in hints["torch.cuda.device_count()"]
     assert "CPU mode (does nothing (returns depth 0))" in hints["torch.cuda.nvtx.range_push()"]
@@ -221,6 +223,7 @@ def test_every_cuda_call_is_listed_with_what_it_does_without_a_gpu() -> None:
     assert hints["torch.cuda.synchronize()"].startswith("line 14: ")
     assert "runs as it is (0)" in hints["torch.cuda.memory_allocated()"]
     assert hints["torch.cuda.mem_get_info()"].startswith("line 16: torch.cuda.mem_get_info() fails without a GPU")
+    assert "only under a CUDA-availability test" in hints["torch.cuda.set_device()"]
 
 
 # ---------------------------------------------------------------- import styles and config shapes
