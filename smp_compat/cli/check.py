@@ -178,8 +178,7 @@ def _print_reports(reports: list[FileReport], console: Console) -> None:
             continue
         if not report.findings:
             console.print(f"{report.path}: no SMP API or config key found.")
-            continue
-        for table in _file_tables(report):
+        for table in _file_tables(report):  # none without findings; the notes below still show
             console.print(table)
         for hint in report.hints:
             console.print(f"  note: {hint}")

@@ -1,8 +1,10 @@
-"""``smp-compat check``, continued: CUDA calls in the script itself that fail on a machine without a GPU.
+"""``smp-compat check``, continued: every ``torch.cuda`` call in the script itself, and what it does without a GPU.
 
-smp_compat runs an SMP script on CPU, but the script's own ``torch.cuda.set_device(smp.local_rank())`` (in
-AWS's examples, unguarded) raises there before the first step. A hint names each such call that no
-``if torch.cuda.is_available():`` (or ``device_count()``) encloses.
+AWS's SMP scripts call ``torch.cuda`` unguarded (``set_device``, ``synchronize``, ``nvtx``, ``cudart()``...).
+``smp-compat run`` answers the ones its CPU mode serves (``smp_compat/host/cuda_on_cpu.py``) on a machine with
+no CUDA device; some others already answer harmlessly in plain torch there; the rest raise. One hint per
+call name, with its lines, says which of the three it is (a call under ``if torch.cuda.is_available():``, or
+``device_count()``, is fine on CPU either way).
 """
 
 from __future__ import annotations
@@ -10,38 +12,83 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-__all__ = ["unguarded_cuda_calls"]
+from smp_compat.host.cuda_on_cpu import SERVED
+
+__all__ = ["HARMLESS", "cuda_calls"]
 
 _GUARDS = ("is_available", "device_count")
+_NOT_LISTED = ("is_available", "is_initialized")
+"""The tests that guard the other calls (False without a GPU, as they should be)."""
+
+HARMLESS: dict[str, str] = {
+    "empty_cache": "does nothing",
+    "memory_allocated": "0",
+    "max_memory_allocated": "0",
+    "memory_reserved": "0",
+    "max_memory_reserved": "0",
+    "memory_cached": "0",
+    "max_memory_cached": "0",
+    "memory_stats": "an empty dict",
+    "manual_seed": "does nothing",
+    "manual_seed_all": "does nothing",
+    "seed": "does nothing",
+    "seed_all": "does nothing",
+}
+"""``torch.cuda`` calls that plain torch already answers without raising on a machine without CUDA."""
 
 
-def unguarded_cuda_calls(tree: ast.Module) -> list[str]:
-    """One hint per ``torch.cuda.set_device(...)`` call outside a CUDA-availability test."""
-    return [
-        f"line {node.lineno}: torch.cuda.set_device(...) fails on a machine without a GPU; put it under "
-        "`if torch.cuda.is_available():` to run the script on CPU too."
-        for node in _calls_outside_guards(tree, guarded=False)
-    ]
+def cuda_calls(tree: ast.Module) -> list[str]:
+    """One hint per ``torch.cuda`` call name: its lines, and what it does on a machine without a GPU."""
+    lines: dict[str, list[int]] = {}
+    unguarded: dict[str, bool] = {}
+    for node, guarded in _cuda_calls(tree, guarded=False):
+        name = _cuda_name(node.func)
+        if name is None or name in _NOT_LISTED:
+            continue
+        lines.setdefault(name, []).append(node.lineno)
+        unguarded[name] = unguarded.get(name, False) or not guarded
+    return [_hint(name, found, unguarded[name]) for name, found in sorted(lines.items(), key=lambda x: x[1][0])]
 
 
-def _calls_outside_guards(node: ast.AST, guarded: bool) -> Iterator[ast.Call]:
-    """Either branch of a CUDA test counts as guarded (``if not torch.cuda.is_available(): ... else: ...``)."""
-    if isinstance(node, ast.Call) and not guarded and _is_set_device(node.func):
-        yield node
+def _hint(name: str, found: list[int], unguarded: bool) -> str:
+    unique = sorted(set(found))
+    where = f"line {unique[0]}" if len(unique) == 1 else "lines " + ", ".join(str(n) for n in unique)
+    call = f"torch.cuda.{name}()"
+    if not unguarded:
+        return f"{where}: {call} is only under a CUDA-availability test: fine without a GPU."
+    if name in SERVED:
+        return f"{where}: {call} without a GPU: served by smp-compat run's CPU mode ({SERVED[name][1]})."
+    if name in HARMLESS:
+        return f"{where}: {call} without a GPU: runs as it is ({HARMLESS[name]})."
+    return (f"{where}: {call} fails without a GPU and the CPU mode does not serve it; put it under "
+            "`if torch.cuda.is_available():` to run the script on CPU too.")  # fmt: skip
+
+
+def _cuda_calls(node: ast.AST, guarded: bool) -> Iterator[tuple[ast.Call, bool]]:
+    """Every call, with whether a CUDA test encloses it (either branch of ``if not torch.cuda.is_available()``)."""
+    if isinstance(node, ast.Call):
+        yield node, guarded
     if isinstance(node, (ast.If, ast.IfExp)) and _tests_cuda(node.test):
         guarded = True
     for child in ast.iter_child_nodes(node):
-        yield from _calls_outside_guards(child, guarded)
+        yield from _cuda_calls(child, guarded)
 
 
-def _is_set_device(func: ast.AST) -> bool:
-    """``torch.cuda.set_device`` or ``cuda.set_device`` (``from torch import cuda``)."""
-    return (
-        isinstance(func, ast.Attribute)
-        and func.attr == "set_device"
-        and isinstance(func.value, (ast.Attribute, ast.Name))
-        and (func.value.attr if isinstance(func.value, ast.Attribute) else func.value.id) == "cuda"
-    )
+def _cuda_name(func: ast.AST) -> str | None:
+    """``torch.cuda.nvtx.range_push`` or ``cuda.nvtx.range_push`` (``from torch import cuda``) -> ``nvtx.range_push``."""
+    parts: list[str] = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name) or not parts:
+        return None
+    parts.append(func.id)
+    parts.reverse()
+    if parts[:2] == ["torch", "cuda"] and len(parts) > 2:
+        return ".".join(parts[2:])
+    if parts[0] == "cuda" and len(parts) > 1:
+        return ".".join(parts[1:])
+    return None
 
 
 def _tests_cuda(test: ast.AST) -> bool:

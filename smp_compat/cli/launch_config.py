@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from smp_compat.cli.estimator import Estimator
@@ -19,6 +20,7 @@ from smp_compat.cli.json_args import json_text
 from smp_compat.cli.launch_v1 import V1Launch
 from smp_compat.cli.launch_v2 import V2Launch
 from smp_compat.cli.restarts import restart_environment
+from smp_compat.cli.script_major import script_imports
 from smp_compat.cli.sm_env import FRAMEWORK_ENV
 from smp_compat.config import ENV_VAR, extract_mp_parameters, parse_json
 from smp_compat.errors import SMPConfigError
@@ -35,6 +37,7 @@ __all__ = [
     "read_launch_config",
     "resolve_smp",
     "smp_major",
+    "with_script_major",
 ]
 
 SMP_V1 = 1
@@ -170,6 +173,19 @@ def smp_major(raw: Any) -> int:
     if section is None and _V2_ONLY_KEYS & set(extract_mp_parameters(_without_mpi(raw))):
         return SMP_V2
     return SMP_V1
+
+
+def with_script_major(launch: LaunchConfig, script: str | Path) -> LaunchConfig:
+    """With no config at all, the SMP the script imports: ``torch.sagemaker`` (in it or a module of its own
+    beside it) and no ``smdistributed.modelparallel`` makes the launch SMP v2's; otherwise v1's, as before."""
+    path = Path(script)
+    if launch.source != "none" or not path.is_file():
+        return launch
+    found = script_imports(path)
+    if found.v2 is None or found.v1 is not None:
+        return launch
+    note = f"no SMP config given; {path.name} imports torch.sagemaker ({found.v2}): launching it as SMP v2"
+    return replace(launch, major=SMP_V2, notes=(*launch.notes, note))
 
 
 def resolve_smp(launch: LaunchConfig) -> SMPLaunch:

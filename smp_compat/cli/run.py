@@ -20,7 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from smp_compat.checkpoints.load_policy import TRUST_ENV, trust_value
-from smp_compat.cli.launch_config import LaunchConfig, SMPLaunch, choose_launch_config, launch_environment, resolve_smp
+from smp_compat.cli.launch_config import (
+    SMP_V2, LaunchConfig, SMPLaunch, choose_launch_config, launch_environment, resolve_smp, with_script_major,
+)  # fmt: skip
 from smp_compat.cli.restarts import rendezvous_environment
 from smp_compat.cli.run_args import NNODES_OPTIONS, NPROC_OPTIONS, local_world_size, node_count, option_value
 from smp_compat.cli.run_args import parse_run_argv
@@ -30,6 +32,7 @@ from smp_compat.cli.run_job import (
 from smp_compat.cli.sm_env import TrainingJob, prepare_job_dirs
 from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import BIND_ENV
+from smp_compat.host.cuda_on_cpu import CPU_CUDA_ENV
 from smp_compat.host.heap import TUNE_MALLOC_ENV
 
 __all__ = ["LaunchPlan", "note", "plan_launch", "run_command"]
@@ -69,8 +72,9 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     args = parse_run_argv(argv)
     ns, estimator = args.ns, args.estimator
     # 2. The SMP config (--config, the estimator's distribution, an inherited SM_HP_MP_PARAMETERS); its major
-    #    version picks the part of the launch that checks it, exports it and shows its layout.
-    launch = choose_launch_config(ns.config, estimator, env)
+    #    version (without any config: the script's imports) picks the part of the launch that checks it, exports
+    #    it and shows its layout.
+    launch = with_script_major(choose_launch_config(ns.config, estimator, env), args.script[0])
     smp = resolve_smp(launch)
     # 3. The SageMaker job.
     options, notes = process_counts(args.torchrun_options, estimator, launch, env)
@@ -96,12 +100,15 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
 
 
 def _option_variables(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str]:
-    """What --bind-cores, --[no-]tune-malloc and --trust-checkpoint export (applied in every process)."""
+    """What --bind-cores, --[no-]tune-malloc, --[no-]cpu-cuda and --trust-checkpoint export (applied in every
+    process)."""
     out: dict[str, str] = {}
     if ns.bind_cores:
         out[BIND_ENV] = "1"
     if ns.tune_malloc is not None:
         out[TUNE_MALLOC_ENV] = "1" if ns.tune_malloc else "0"
+    if ns.cpu_cuda is not None:
+        out[CPU_CUDA_ENV] = "1" if ns.cpu_cuda else "0"
     if ns.trust_checkpoint:
         out[TRUST_ENV] = trust_value(ns.trust_checkpoint, env.get(TRUST_ENV))
     return out
@@ -150,7 +157,8 @@ def _print_dry_run(plan: LaunchPlan) -> None:
     else:
         plan.smp.print_layout(plan.world_size, plan.nnodes, plan.nproc_per_node)
     if plan.launch.parameters is None:
-        print("No launch config: the script's smp.init(...) dict decides (layout shown for the defaults).")
+        init = "tsm.init" if plan.launch.major == SMP_V2 else "smp.init"
+        print(f"No launch config: the script's {init}(...) dict decides (layout shown for the defaults).")
     if plan.job is not None:
         print_job(plan.job, plan.env_updates, plan.cwd)
     print("Environment added for every process:")

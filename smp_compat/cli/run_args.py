@@ -20,10 +20,12 @@ from smp_compat.cli.job_options import JOB_VALUED, add_job_options
 from smp_compat.config import ENV_VAR
 from smp_compat.errors import SMPConfigError
 from smp_compat.globalstate import BIND_ENV
+from smp_compat.host.cuda_on_cpu import CPU_CUDA_ENV
 from smp_compat.host.heap import TRIM_BYTES, TUNE_MALLOC_ENV
 
 __all__ = [
     "BIND_FLAG",
+    "CPU_CUDA_FLAG",
     "ESTIMATOR_FLAG",
     "NNODES_OPTIONS",
     "NODE_RANK_OPTIONS",
@@ -43,6 +45,9 @@ BIND_FLAG = "--bind-cores"
 TUNE_MALLOC_FLAG = "--tune-malloc"
 """Keep freed memory in each process's heap (exported as ``SMP_COMPAT_TUNE_MALLOC=1``; ``--no-tune-malloc``: ``0``)."""
 
+CPU_CUDA_FLAG = "--cpu-cuda"
+"""Serve the script's torch.cuda calls on a machine without CUDA (the default; ``--no-cpu-cuda``: ``SMP_COMPAT_CPU_CUDA=0``)."""
+
 ESTIMATOR_FLAG = "--estimator"
 """``smp-compat run --estimator FILE``: the job a ``sagemaker.pytorch.PyTorch`` estimator describes."""
 
@@ -50,7 +55,8 @@ NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node")
 NNODES_OPTIONS = ("--nnodes",)
 NODE_RANK_OPTIONS = ("--node-rank", "--node_rank")
 
-_OWN_FLAGS = ("--dry-run", BIND_FLAG, TUNE_MALLOC_FLAG, "--no-" + TUNE_MALLOC_FLAG[2:])
+_OWN_FLAGS = ("--dry-run", BIND_FLAG, TUNE_MALLOC_FLAG, "--no-" + TUNE_MALLOC_FLAG[2:], CPU_CUDA_FLAG,
+              "--no-" + CPU_CUDA_FLAG[2:])  # fmt: skip
 _OWN_VALUED = ("--config", TRUST_FLAG, ESTIMATOR_FLAG, *JOB_VALUED)
 _PLACEHOLDER = "<the estimator's entry_point>"
 
@@ -109,6 +115,14 @@ def _run_parser() -> argparse.ArgumentParser:
         f"not fault the same pages in again; costs up to {TRIM_BYTES >> 20} MiB of resident memory per thread "
         f"heap. Exported as {TUNE_MALLOC_ENV}=1 (=0 with the no- form) and applied in smp.init. Default: on in "
         "CPU pipelines (pipeline_parallel_degree > 1), whose ranks run microbatches on several threads.",
+    )
+    own.add_argument(
+        CPU_CUDA_FLAG,
+        action=argparse.BooleanOptionalAction,
+        help="on a machine with no CUDA device, answer the script's own torch.cuda calls that would fail there "
+        "(set_device, current_device, device_count -> 1, synchronize, nvtx, cudart profiler, ...) on CPU, each "
+        "announced once per process; torch.cuda.is_available() stays False, libraries get torch's own answers, "
+        f"and nothing changes where CUDA is available. Default: on; --no-cpu-cuda exports {CPU_CUDA_ENV}=0.",
     )
     own.add_argument(
         TRUST_FLAG,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from smp_compat.cli.check_config import ConfigValue, config_read, record_config_key, record_config_rules, record_mpi_key
-from smp_compat.cli.check_cuda import unguarded_cuda_calls
+from smp_compat.cli.check_cuda import cuda_calls
 from smp_compat.cli.check_members import report_members
 from smp_compat.cli.check_v2 import classify_api_v2, record_v2_key, record_v2_rules
 from smp_compat.cli.findings import ERROR, FileReport
@@ -365,7 +365,7 @@ def check_source(text: str, path: str = "<string>", file_path: Path | None = Non
     source = _Source(tree, text, report, file_path)
     source.collect()
     source.walk()
-    report.hints.extend(unguarded_cuda_calls(tree))
+    report.hints.extend(cuda_calls(tree))
     if source.aliases:  # objects SMP returns exist only where SMP is imported
         report_members(report, tree, source._resolve, text)
     return report

@@ -18,11 +18,15 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["ALIAS", "ALIASES", "TARGET", "TorchSagemakerFinder", "install_finder", "remove_finder", "target_name"]
+__all__ = [
+    "ALIAS", "ALIASES", "TARGET", "TorchSagemakerFinder", "install_finder", "missing_smp_compat", "remove_finder",
+    "target_name",
+]  # fmt: skip
 
 ALIAS = "torch.sagemaker"
 """The SMP v2 import name scripts use (``import torch.sagemaker as tsm``)."""
@@ -73,6 +77,25 @@ def _found_elsewhere(finder: object, fullname: str, path: Sequence[str] | None) 
     return False
 
 
+def missing_smp_compat(name: str) -> str:
+    """Why ``name`` cannot resolve in a Python that cannot import smp_compat, and what to do (one message)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return (
+        f"{name} is provided by smp_compat, which this Python cannot import: {sys.executable}. smp_compat's "
+        f"sitecustomize is on PYTHONPATH, but the package ({package}) is installed for another Python: the "
+        "launcher (torchrun, srun, mpirun, a job script) started a different interpreter from the one `smp-compat` "
+        "runs in. Start the job with that Python (its `python -m torch.distributed.run ...`, or its bin folder "
+        f"first on PATH), or install smp_compat for this one: {sys.executable} -m pip install smp-compat."
+    )
+
+
+def _check_importable(fullname: str, real: str) -> None:
+    """Raise ``missing_smp_compat``'s message instead of "No module named 'smp_compat'" from inside this file."""
+    top = real.partition(".")[0]
+    if top not in sys.modules and importlib.util.find_spec(top) is None:
+        raise ModuleNotFoundError(missing_smp_compat(fullname), name=fullname)
+
+
 class _AliasLoader(importlib.abc.Loader):
     """Imports the real module and puts it under the alias name (one module object, one copy of the state)."""
 
@@ -107,6 +130,7 @@ class TorchSagemakerFinder(importlib.abc.MetaPathFinder):
         if fullname != alias and not _serving(alias):
             return None  # a real package's missing submodule stays missing
         real = ALIASES[alias] + fullname[len(alias) :]
+        _check_importable(fullname, real)
         if real not in sys.modules and importlib.util.find_spec(real) is None:
             return None  # ModuleNotFoundError then names the module the script asked for
         return importlib.util.spec_from_loader(fullname, _AliasLoader(real))

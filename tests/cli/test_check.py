@@ -186,26 +186,44 @@ def test_init_without_dict_hints_at_the_launcher_config() -> None:
     assert report.hints[0].startswith("line 59: smp.init() without a dict"), report.hints
 
 
-def test_an_unguarded_cuda_set_device_is_a_hint() -> None:
-    """AWS's examples call it unguarded: on a CPU-only machine the script fails before its first step."""
+def test_every_cuda_call_is_listed_with_what_it_does_without_a_gpu() -> None:
+    """AWS's examples call torch.cuda unguarded: each call is named with the CPU mode's answer, plain torch's
+    harmless one, or the advice to guard it."""
     hints = check_file(FIXTURES / "mnist_gradscaler.py").hints
-    assert hints[1:] == ["line 60: torch.cuda.set_device(...) fails on a machine without a GPU; put it under "
-                         "`if torch.cuda.is_available():` to run the script on CPU too."]  # fmt: skip
-    guarded = check_source(textwrap.dedent("""
+    assert hints[1:] == ["line 60: torch.cuda.set_device() without a GPU: served by smp-compat run's CPU mode (does "
+                         "nothing)."]  # fmt: skip
+    report = check_source(textwrap.dedent("""
         import torch
         from torch import cuda
         import smdistributed.modelparallel.torch as smp
         if torch.cuda.is_available():
-            torch.cuda.set_device(smp.local_rank())
+            torch.cuda.get_device_name(smp.local_rank())
         if not torch.cuda.is_available() or smp.local_rank() > 8:
             pass
         else:
-            cuda.set_device(smp.local_rank())
-        cuda.set_device(0) if torch.cuda.device_count() else None
-        cuda.set_device(1)
+            cuda.get_device_name(smp.local_rank())
+        device = smp.rank() % torch.cuda.device_count()
+        cuda.nvtx.range_push("step")
+        torch.cuda.cudart().cudaProfilerStart()
+        torch.cuda.synchronize(); torch.cuda.synchronize()
+        torch.cuda.memory_allocated(device=device)
+        torch.cuda.mem_get_info()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
         torch.set_device = None  # not CUDA's
     """))
-    assert [h.split(":")[0] for h in guarded.hints] == ["line 12"], guarded.hints
+    hints = {h.split(": ", 1)[1].split("()")[0] + "()": h for h in report.hints}
+    assert list(hints) == ["torch.cuda.get_device_name()", "torch.cuda.device_count()", "torch.cuda.nvtx.range_push()",
+                           "torch.cuda.cudart()", "torch.cuda.synchronize()", "torch.cuda.memory_allocated()",
+                           "torch.cuda.mem_get_info()", "torch.cuda.set_device()"]  # fmt: skip
+    assert hints["torch.cuda.get_device_name()"].startswith("lines 6, 10: ") and "only under" in hints["torch.cuda.get_device_name()"]
+    assert "served by smp-compat run's CPU mode (returns 1" in hints["torch.cuda.device_count()"]
+    assert "CPU mode (does nothing (returns depth 0))" in hints["torch.cuda.nvtx.range_push()"]
+    assert "cudaProfilerStart/Stop do nothing" in hints["torch.cuda.cudart()"]
+    assert hints["torch.cuda.synchronize()"].startswith("line 14: ")
+    assert "runs as it is (0)" in hints["torch.cuda.memory_allocated()"]
+    assert hints["torch.cuda.mem_get_info()"].startswith("line 16: torch.cuda.mem_get_info() fails without a GPU")
+    assert "only under a CUDA-availability test" in hints["torch.cuda.set_device()"]
 
 
 # ---------------------------------------------------------------- import styles and config shapes
@@ -305,6 +323,18 @@ def test_init_with_a_json_path_checks_that_file(tmp_path: Path, capsys: pytest.C
 
 
 # ---------------------------------------------------------------- the command
+
+
+def test_a_helper_file_without_smp_names_still_shows_its_cuda_calls(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """AWS's memory_tracker.py imports no SMP name; its torch.cuda calls are listed all the same."""
+    path = tmp_path / "memory_tracker.py"
+    path.write_text("import torch\nlocal_rank = 3 % torch.cuda.device_count()\ntorch.cuda.synchronize()\n")
+    cli.main(["check", str(path)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no SMP API or config key found" in out
+    assert "note: line 2: torch.cuda.device_count() without a GPU: served by" in out
+    assert "note: line 3: torch.cuda.synchronize() without a GPU: served by" in out
 
 
 def test_exit_status_and_summary(capsys: pytest.CaptureFixture[str]) -> None:

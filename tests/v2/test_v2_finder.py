@@ -97,3 +97,19 @@ def test_target_names(path: str) -> None:
 
     assert target_name(path) == path.replace("torch.sagemaker", "smp_compat.v2")
     assert target_name("torch.sagemakers") is None
+
+
+@pytest.mark.parametrize("name", ["transformer_engine", "smdistributed.modelparallel.torch"])
+def test_a_python_that_cannot_import_smp_compat_is_named_with_the_fix(name: str, tmp_path) -> None:
+    """A launcher that starts another Python (only the shim folder on its PYTHONPATH): one message naming that
+    interpreter and the fix, not "No module named 'smp_compat'" from inside the finder. ``-S``: no site-packages,
+    so smp_compat is not importable; the sitecustomize runs as the launched worker's would."""
+    from smp_compat.shim import SITE_DIR
+
+    code = f"import sitecustomize\ntry:\n    import {name}\nexcept ModuleNotFoundError as exc:\n    print(repr(exc.name), exc)"
+    done = subprocess.run([sys.executable, "-S", "-c", code], env={"PYTHONPATH": SITE_DIR}, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"'{name}' {name} is provided by smp_compat, which this Python cannot import: "
+                                  f"{sys.executable}."), done.stdout  # fmt: skip
+    assert f"{sys.executable} -m pip install smp-compat" in done.stdout

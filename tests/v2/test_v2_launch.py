@@ -94,3 +94,27 @@ def test_unmodified_v2_script_lines_run_under_smp_compat_run(tmp_path: Path) -> 
         assert report["te"] == "smp_compat.v2.standins.transformer_engine"
     log = (tmp_path / "proc0.log").read_text()
     assert log.count('backend "nccl" needs CUDA') == 2  # once per process
+
+
+def test_without_a_config_a_script_importing_torch_sagemaker_is_launched_as_v2(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """AWS's entry point imports train_lib, which imports torch.sagemaker: v2, found one module down."""
+    (tmp_path / "train_external.py").write_text("import os\nfrom arguments import parse_args\nimport train_lib\n")
+    (tmp_path / "arguments.py").write_text("import argparse\n")
+    (tmp_path / "train_lib.py").write_text("import torch\nimport torch.sagemaker as tsm\n")
+    (tmp_path / "direct.py").write_text("from torch.sagemaker.distributed.checkpoint.state_dict_utils import x\n")
+    (tmp_path / "v1.py").write_text("import smdistributed.modelparallel.torch as smp\n")
+    job = ["--nproc-per-node", "4", "--job-dir", str(tmp_path / "job")]
+    for script in ("train_external.py", "direct.py"):
+        plan = plan_launch([*job, str(tmp_path / script)], {})
+        assert isinstance(plan.smp, V2Launch), script
+        assert json.loads(plan.env_updates["SM_FRAMEWORK_PARAMS"]) == {"sagemaker_torch_distributed_enabled": True}
+        assert "SM_HP_MP_PARAMETERS" not in plan.env_updates
+    assert "train_lib.py:2): launching it as SMP v2" in plan_launch([*job, str(tmp_path / "train_external.py")], {}).launch.notes[0]
+    v1 = plan_launch([*job, str(tmp_path / "v1.py")], {})
+    assert not isinstance(v1.smp, V2Launch) and json.loads(v1.env_updates["SM_FRAMEWORK_PARAMS"]) == {"sagemaker_mpi_enabled": True}
+    # a config, when given, still decides
+    assert not isinstance(plan_launch([*job, "--config", '{"microbatches": 2}', str(tmp_path / "direct.py")], {}).smp, V2Launch)
+    assert main(["run", "--dry-run", *job, str(tmp_path / "train_external.py")]) == 0
+    out = capsys.readouterr().out
+    assert "SMP v2 (torch.sagemaker). World size 4" in out and "the script's tsm.init(...) dict decides" in out

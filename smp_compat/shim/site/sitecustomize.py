@@ -15,6 +15,7 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _FINDER = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "v2", "finder.py")
+_CPU_CUDA = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "host", "cuda_on_cpu.py")
 
 
 def _exec_file(name: str, path: str) -> None:
@@ -32,6 +33,13 @@ def _install_v2_finder() -> None:
         sys.modules["_smp_compat_v2_finder"].install_finder()
 
 
+def _install_cpu_cuda() -> None:
+    """The CPU mode for the script's torch.cuda calls (host/cuda_on_cpu.py), armed for when torch is imported."""
+    if os.path.isfile(_CPU_CUDA):
+        _exec_file("_smp_compat_cuda_on_cpu", _CPU_CUDA)
+        sys.modules["_smp_compat_cuda_on_cpu"].install_on_torch_import()
+
+
 def _run_next_sitecustomize() -> None:
     entries = [os.path.abspath(p or os.curdir) for p in sys.path]
     after = entries[entries.index(_HERE) + 1 :] if _HERE in entries else []
@@ -43,4 +51,5 @@ def _run_next_sitecustomize() -> None:
 
 
 _install_v2_finder()
+_install_cpu_cuda()
 _run_next_sitecustomize()
