@@ -1,6 +1,7 @@
 """Runs at the start of every Python process whose PYTHONPATH holds this folder (``smp-compat run``'s workers,
 and launches with ``smp-compat env``'s environment): installs smp_compat's SMP v2 import hook, so that
-``import torch.sagemaker`` (and Transformer Engine, megatron-core's exception, SMDDP where absent) resolve.
+``import torch.sagemaker`` (and Transformer Engine, megatron-core's exception, SMDDP where absent) resolve,
+and the hook that fixes Hugging Face's Trainer in an SMP job as transformers loads (smp_compat/trainer).
 
 Cheap and inert: it loads one standard-library-only file by path (no torch, no smp_compat import), and the
 hook acts only when a script imports one of those names and no installed package provides it. Python runs
@@ -15,6 +16,7 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _FINDER = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "v2", "finder.py")
+_TRAINER_HOOK = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "trainer", "hook.py")
 
 
 def _exec_file(name: str, path: str) -> None:
@@ -32,6 +34,13 @@ def _install_v2_finder() -> None:
         sys.modules["_smp_compat_v2_finder"].install_finder()
 
 
+def _install_trainer_hook() -> None:
+    """smp_compat's fixes to Hugging Face's Trainer, applied as transformers loads (smp_compat/trainer)."""
+    if os.path.isfile(_TRAINER_HOOK):
+        _exec_file("_smp_compat_trainer_hook", _TRAINER_HOOK)
+        sys.modules["_smp_compat_trainer_hook"].install_hook()
+
+
 def _run_next_sitecustomize() -> None:
     entries = [os.path.abspath(p or os.curdir) for p in sys.path]
     after = entries[entries.index(_HERE) + 1 :] if _HERE in entries else []
@@ -43,4 +52,5 @@ def _run_next_sitecustomize() -> None:
 
 
 _install_v2_finder()
+_install_trainer_hook()
 _run_next_sitecustomize()
