@@ -3,8 +3,9 @@ and launches with ``smp-compat env``'s environment): installs smp_compat's SMP v
 ``import torch.sagemaker`` (and Transformer Engine, megatron-core's exception, SMDDP where absent) resolve,
 and the hook that fixes Hugging Face's Trainer in an SMP job as transformers loads (smp_compat/trainer).
 
-Cheap and inert: it loads one standard-library-only file by path (no torch, no smp_compat import), and the
-hook acts only when a script imports one of those names and no installed package provides it. Python runs
+Cheap and inert: it loads two standard-library-only files by path (no torch, no smp_compat import); the v2
+hook acts only when a script imports one of those names and no installed package provides it, the Trainer
+hook only when ``transformers.training_args`` or ``transformers.trainer`` loads in an SMP job. Python runs
 only the first ``sitecustomize`` on ``sys.path``, so this one then runs the next one, if any.
 """
 
