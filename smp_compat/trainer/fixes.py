@@ -150,9 +150,11 @@ def _fix_wrap_model(cls: type) -> None:
       Trainer made is returned;
     * ``_prepare_for_training`` delays the optimizer under SMP (it must follow ``smp.DistributedModel``) but
       never makes it on SMP's branch (``accelerator.prepare(None)``, then a scheduler over ``None``): it is
-      created right after wrapping for training, as 4.x's ``create_optimizer_and_scheduler`` did there (a
-      no-op where the optimizer exists)."""
+      created right after wrapping for training, as 4.x's ``create_optimizer_and_scheduler`` did there. Only
+      where ``_prepare_for_training`` exists (5.x): 4.x makes it itself, and its ``create_optimizer`` would
+      wrap the optimizer in ``smp.DistributedOptimizer`` a second time."""
     original = cls._wrap_model
+    makes_optimizer = hasattr(cls, "_prepare_for_training")
 
     @functools.wraps(original)
     def _wrap_model(self: Any, model: Any, training: bool = True, *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +165,7 @@ def _fix_wrap_model(cls: type) -> None:
             wrapped = existing
         else:
             wrapped = original(self, model, training, *args, **kwargs)
-        if training and self.optimizer is None and state.model is not None:
+        if makes_optimizer and training and self.optimizer is None and state.model is not None:
             self.create_optimizer()
         return wrapped
 
