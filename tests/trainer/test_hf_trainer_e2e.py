@@ -39,7 +39,8 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 RESUMES = "safe_globals" in inspect.getsource(transformers.Trainer._load_rng_state)
 # transformers 4.40's Trainer refuses fp16 whenever the device is the CPU ("Tried to use `fp16` but it is not
 # supported on cpu"), SMP's fp16 included; left as transformers decides (docs/porting.md)
-FP16_ON_CPU = "not supported on cpu" not in inspect.getsource(transformers.Trainer.__init__)
+_INIT = inspect.getsource(transformers.Trainer.__init__)
+FP16_ON_CPU = "not supported on cpu" not in _INIT or "is_torch_greater_or_equal_than_2_3" in _INIT  # 4.4x: torch >= 2.3
 
 
 def _job(tmp_path: Path, name: str, procs: int, *args: str, fp16: bool = False) -> dict[str, Any]:
