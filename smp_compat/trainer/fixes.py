@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -37,6 +38,11 @@ def patch_module(module: ModuleType) -> None:
     if module.__name__ == "transformers.training_args":
         _fix_setup_devices(module.TrainingArguments)
     elif module.__name__ == "transformers.trainer":
+        # training_args may have been loading when smp_compat was first imported (transformers imports SMP
+        # halfway through it) with no hook installed yet to catch its end: it has finished by now
+        arguments = sys.modules.get("transformers.training_args")
+        if arguments is not None and not arguments.__dict__.get(_DONE):
+            patch_module(arguments)
         _fix_accelerated_optimizer()
         _fix_clip_grad_norm()
         _fix_train_dataloader(module.Trainer)
