@@ -79,19 +79,27 @@ _SMP_ENV = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 1, "microbatches": 
             "SM_FRAMEWORK_PARAMS": json.dumps({"sagemaker_mpi_enabled": True}), "PYTHONPATH": SITE_DIR}  # fmt: skip
 
 
-def _probe(how: str, smp_job: bool) -> dict:
-    env = clean_env(**(_SMP_ENV if smp_job else {}))
-    run = subprocess.run([sys.executable, "-c", _PROBE, how], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=180, check=True)  # fmt: skip
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def _probes(*cases: tuple[str, bool]) -> list[dict]:
+    """Fresh interpreters (transformers decides on SMP at import), run side by side."""
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE, how], env=clean_env(**(_SMP_ENV if smp_job else {})),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for how, smp_job in cases]  # fmt: skip
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 @pytest.mark.hf
 def test_fixes_apply_in_smp_jobs_only() -> None:
     """In an SMP job (the environment transformers tests) ``import smp_compat`` installs the fixes; elsewhere
     transformers and accelerate are left exactly as they are."""
-    assert _probe("import", smp_job=True) == {"fixed": [True, True], "forwarding": True}
-    assert _probe("import", smp_job=False) == {"fixed": [False, False], "forwarding": False}
+    assert _probes(("import", True), ("import", False)) == [
+        {"fixed": [True, True], "forwarding": True},
+        {"fixed": [False, False], "forwarding": False},
+    ]
 
 
 @pytest.mark.hf
@@ -99,7 +107,7 @@ def test_fixes_apply_in_smp_jobs_only() -> None:
 def test_sitecustomize_installs_the_fixes_before_the_script_imports_anything() -> None:
     """``smp-compat run``'s workers: transformers imports SMP halfway through ``training_args`` (which is then
     still loading), so the hook ``sitecustomize`` installed at start-up fixes the module once it has loaded."""
-    assert _probe("sitecustomize", smp_job=True) == {"fixed": [True, True], "forwarding": True}
+    assert _probes(("sitecustomize", True)) == [{"fixed": [True, True], "forwarding": True}]
 
 
 def _forwarding() -> dict:
