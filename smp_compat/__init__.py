@@ -123,3 +123,7 @@ def _auto_init() -> None:
 
 
 _auto_init()
+
+from smp_compat.trainer import install as _install_trainer_fixes
+
+_install_trainer_fixes()  # Hugging Face's Trainer in an SMP job: smp_compat/trainer (nothing outside SMP jobs)

@@ -23,6 +23,7 @@ from smp_compat.config import SMPConfig, resolve_config
 from smp_compat.errors import SMPConfigError, SMPNotInitializedError
 from smp_compat.host.heap import TRIM_BYTES, TUNE_MALLOC_ENV, keep_freed_memory
 from smp_compat.launch import LaunchEnv, attempt_prefix, attempt_store, detect_launch
+from smp_compat.module_manager import ModuleManager
 from smp_compat.topology import Topology
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class _State:
     model: DistributedModel | None = None
     optimizer: Any = None
     initialized: bool = False
+    module_manager: ModuleManager = field(default_factory=ModuleManager)  # SMP >= 1.10; transformers reads it
 
     def require_init(self, what: str) -> None:
         """Raise the error a user sees when calling ``what`` before ``smp.init()``."""

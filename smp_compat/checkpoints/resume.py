@@ -32,7 +32,7 @@ from smp_compat.checkpoints.state_dicts import PART_OF_KEY
 from smp_compat.errors import CheckpointError
 from smp_compat.globalstate import state
 
-__all__ = ["check_saved_config", "resume_from_checkpoint"]
+__all__ = ["check_saved_config", "load_full_model_state", "resume_from_checkpoint"]
 
 _MUST_MATCH = ("pipeline_parallel_degree", "tensor_parallel_degree", "shard_optimizer_state",
                "sharded_data_parallel_degree")  # fmt: skip
@@ -242,6 +242,12 @@ def _resume_full(
     user_content = _load(content, weights_only, path) if content.is_file() else None
     _apply(model_sd, {"strict": strict, "translate_function": translate}, None, None)
     return user_content
+
+
+def load_full_model_state(model_sd: Any, strict: bool = True) -> None:
+    """A full model state dict read by the caller, loaded (or queued) as ``resume_from_checkpoint(partial=False)``
+    loads its file; the Hugging Face Trainer's safetensors checkpoints come this way (smp_compat/trainer)."""
+    _apply(model_sd, {"strict": strict}, None, None)
 
 
 def _apply(model_sd: Any, model_kwargs: dict[str, Any], optimizer_sd: Any, fp16_sd: Any) -> None:

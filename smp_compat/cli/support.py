@@ -80,7 +80,8 @@ _API_ROWS: list[tuple[str, list[_Row]]] = [
         ("is_initialized", _S, "", ""),
         ("is_tracing", _S, "Always False at pp = 1: there is no tracing pass there.", ""),
         ("num_microbatches", _S, "", ""),
-        ("state", _S, "state.cfg (every config key), state.model, state.optimizer.", ""),
+        ("state", _S, "state.cfg (every config key), state.model, state.optimizer, state.module_manager.translate_functions "
+                   "(SMP >= 1.10; Hugging Face's save_pretrained reads it).", ""),
         ("reset", _S, "", ""),
         ("shutdown", _S, "", ""),
     ]),
@@ -257,7 +258,7 @@ _METHOD_ROWS: list[tuple[str, list[_Row]]] = [
          "Without sharded data parallelism there is no sharding group: smp.get_dp_process_group() is the replicas'."),
     ]),
     ("StepOutput", [
-        *((name, _S, "", "") for name in ("outputs", "reduce_mean", "reduce_sum", "concat", "stack", "map", "clear")),
+        *((name, _S, "", "") for name in ("outputs", "reduce_mean", "reduce_sum", "concat", "stack", "map", "detach", "clear")),
     ]),
 ]  # fmt: skip
 

@@ -73,6 +73,11 @@ class StepOutput:
         """Apply ``fn`` to each microbatch value, e.g. ``so.map(lambda t: t.cpu())``."""
         return StepOutput([fn(value) for value in self.outputs])
 
+    def detach(self) -> StepOutput:
+        """Each microbatch value detached from the graph (SMP >= 1.10; Hugging Face's ``smp_nested_concat`` calls
+        ``step_output.detach().concat()`` on evaluation logits)."""
+        return self.map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value)
+
     def clear(self) -> None:
         """Drop the values, so that a long-lived StepOutput does not keep tensors alive."""
         self.outputs = []

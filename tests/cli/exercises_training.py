@@ -39,6 +39,7 @@ def pipeline_with_data_parallelism(smp: Any) -> None:
     model = smp.DistributedModel(make_net())
     opt = smp.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
     assert smp.state.model is model and smp.state.optimizer is opt
+    assert smp.state.module_manager.translate_functions == []  # nothing swapped: names are the model's own
     train(smp, model, opt, step=step)
     assert_matches(full_params(smp, model), reference())
     if smp.pp_rank() == 0:  # the step body runs on pp_rank 0; rank 0 alone traces, once
@@ -110,6 +111,7 @@ def step_output_members(smp: Any) -> None:
     torch.testing.assert_close(total.reduce_sum(), expected.sum())
     torch.testing.assert_close(total.reduce_mean(), expected.sum() / 2)
     torch.testing.assert_close(out.map(lambda t: t * 2).concat(), expected * 2)
+    torch.testing.assert_close(out.detach().concat(), expected)  # Hugging Face's smp_nested_concat
     out.clear()
     assert len(out.outputs) == 0
 

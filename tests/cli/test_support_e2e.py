@@ -74,7 +74,7 @@ MEMBER_USES: dict[str, Exercise] = {
             "DistributedOptimizer.local_optimizer_state_dict DistributedOptimizer.load_state_dict "
             "DistributedOptimizer.load_local_optimizer_state_dict"),
     **_same(tr.step_output_members, "StepOutput.outputs StepOutput.reduce_mean StepOutput.reduce_sum "
-            "StepOutput.concat StepOutput.stack StepOutput.map StepOutput.clear"),
+            "StepOutput.concat StepOutput.stack StepOutput.map StepOutput.detach StepOutput.clear"),
 }  # fmt: skip
 
 CONFIG_USES: dict[str, Exercise] = {

@@ -14,7 +14,8 @@ from torch import nn
 
 from smp_compat.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox, roberta
 
-__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "roberta", "to_hf_format", "from_hf_translator", "register_all"]
+__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "roberta", "to_hf_format", "from_hf_translator", "register_all",
+           "translate_functions"]
 
 # swapped class -> (to HF, from HF, a key pattern only HF's layout has)
 _TRANSLATORS = (
@@ -66,3 +67,10 @@ def from_hf_translator(root: nn.Module, state_dict: Mapping[str, Any]) -> Callab
         if any(hf_key.search(k) for k in state_dict):
             return from_hf
     return None
+
+
+def translate_functions(root: nn.Module) -> list[tuple[Callable[..., Any], Callable[..., Any]]]:
+    """``(smp_to_hf, hf_to_smp)`` for each swapped Hugging Face model under ``root``, as SMP >= 1.10's
+    ``smp.state.module_manager.translate_functions`` lists them; empty where no module was swapped (the
+    model's own names are Hugging Face's, so nothing needs translating)."""
+    return [(to_hf, from_hf) for _, to_hf, from_hf, _ in _swapped(root)]

@@ -1,9 +1,11 @@
 """Runs at the start of every Python process whose PYTHONPATH holds this folder (``smp-compat run``'s workers,
 and launches with ``smp-compat env``'s environment): installs smp_compat's SMP v2 import hook, so that
-``import torch.sagemaker`` (and Transformer Engine, megatron-core's exception, SMDDP where absent) resolve.
+``import torch.sagemaker`` (and Transformer Engine, megatron-core's exception, SMDDP where absent) resolve,
+and the hook that fixes Hugging Face's Trainer in an SMP job as transformers loads (smp_compat/trainer).
 
-Cheap and inert: it loads one standard-library-only file by path (no torch, no smp_compat import), and the
-hook acts only when a script imports one of those names and no installed package provides it. Python runs
+Cheap and inert: it loads two standard-library-only files by path (no torch, no smp_compat import); the v2
+hook acts only when a script imports one of those names and no installed package provides it, the Trainer
+hook only when ``transformers.training_args`` or ``transformers.trainer`` loads in an SMP job. Python runs
 only the first ``sitecustomize`` on ``sys.path``, so this one then runs the next one, if any.
 """
 
@@ -14,8 +16,12 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_FINDER = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "v2", "finder.py")
-_CPU_CUDA = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "host", "cuda_on_cpu.py")
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE))
+_FINDER = os.path.join(_PACKAGE, "v2", "finder.py")
+_HOOKS = (  # per hook: its module's name once loaded, its file in smp_compat, the function that installs it
+    ("_smp_compat_cuda_on_cpu", ("host", "cuda_on_cpu.py"), "install_on_torch_import"),  # torch.cuda on a CPU
+    ("_smp_compat_trainer_hook", ("trainer", "hook.py"), "install_hook"),  # Hugging Face's Trainer in an SMP job
+)
 
 
 def _exec_file(name: str, path: str) -> None:
@@ -33,11 +39,14 @@ def _install_v2_finder() -> None:
         sys.modules["_smp_compat_v2_finder"].install_finder()
 
 
-def _install_cpu_cuda() -> None:
-    """The CPU mode for the script's torch.cuda calls (host/cuda_on_cpu.py), armed for when torch is imported."""
-    if os.path.isfile(_CPU_CUDA):
-        _exec_file("_smp_compat_cuda_on_cpu", _CPU_CUDA)
-        sys.modules["_smp_compat_cuda_on_cpu"].install_on_torch_import()
+def _install_hooks() -> None:
+    """The CPU mode for the script's torch.cuda calls (armed for when torch is imported) and the Trainer's
+    fixes (applied as transformers loads), each loaded by path from smp_compat."""
+    for name, parts, install in _HOOKS:
+        path = os.path.join(_PACKAGE, *parts)
+        if os.path.isfile(path):
+            _exec_file(name, path)
+            getattr(sys.modules[name], install)()
 
 
 def _run_next_sitecustomize() -> None:
@@ -51,5 +60,5 @@ def _run_next_sitecustomize() -> None:
 
 
 _install_v2_finder()
-_install_cpu_cuda()
+_install_hooks()
 _run_next_sitecustomize()
