@@ -1,11 +1,13 @@
 """Runs at the start of every Python process whose PYTHONPATH holds this folder (``smp-compat run``'s workers,
 and launches with ``smp-compat env``'s environment): installs smp_compat's SMP v2 import hook, so that
 ``import torch.sagemaker`` (and Transformer Engine, megatron-core's exception, SMDDP where absent) resolve,
-and the hook that fixes Hugging Face's Trainer in an SMP job as transformers loads (smp_compat/trainer).
+the hook that fixes Hugging Face's Trainer in an SMP job as transformers loads (smp_compat/trainer), and the
+CPU mode for the script's own ``torch.cuda`` calls on a machine without CUDA (smp_compat/host/cuda_on_cpu.py).
 
-Cheap and inert: it loads two standard-library-only files by path (no torch, no smp_compat import); the v2
+Cheap and inert: it loads three standard-library-only files by path (no torch, no smp_compat import); the v2
 hook acts only when a script imports one of those names and no installed package provides it, the Trainer
-hook only when ``transformers.training_args`` or ``transformers.trainer`` loads in an SMP job. Python runs
+hook only when ``transformers.training_args`` or ``transformers.trainer`` loads in an SMP job, the CPU mode
+only once torch is imported and finds no CUDA device. Python runs
 only the first ``sitecustomize`` on ``sys.path``, so this one then runs the next one, if any.
 """
 
