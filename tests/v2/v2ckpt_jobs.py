@@ -142,7 +142,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
 
 
-def _replication_group(mesh: DeviceMesh) -> tuple[Any, int]:
+def replication_group() -> tuple[Any, int]:
     """As checkpoints.py: a group per state.ranker.get_rep_groups() entry (all ranks create all), this rank's."""
     import smp_compat.v2 as tsm
 
@@ -166,7 +166,7 @@ def save_async(method: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     from smp_compat.v2.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
 
     if method == "async_local":
-        group, coordinator = _replication_group(mesh)
+        group, coordinator = replication_group()
         queue.maybe_finalize_async_calls(blocking=True, process_group=group)
         with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()} | extra
@@ -190,7 +190,7 @@ def load_async(method: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
         SMStateDictType, init_optim_state, sm_state_dict_type)
 
     if method == "async_local":
-        group, coordinator = _replication_group(mesh)
+        group, coordinator = replication_group()
         with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
             state = {"model": model.state_dict()} | extra
             init_optim_state(optimizer, skip_empty_param=True)

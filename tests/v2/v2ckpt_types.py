@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from v2ckpt_jobs import replication_group
 
 __all__ = ["KINDS", "save", "load", "finalize"]
 
@@ -38,18 +39,6 @@ def _sharded_folder(folder: str) -> str:
     if tsm.state.ep_size > 1:
         folder = os.path.join(folder, f"ep{tsm.state.ep_size}-{tsm.state.ep_rank}")
     return folder
-
-
-def _replication_group() -> tuple[Any, int]:
-    """SMP's async_local recipe: a group per ``state.ranker.get_rep_groups()`` entry, made by every rank."""
-    import torch.sagemaker as tsm
-
-    mine: tuple[Any, int] = (None, -1)
-    for ranks in tsm.state.ranker.get_rep_groups():
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = (group, min(ranks))
-    return mine
 
 
 def _local_folder(folder: str, model: nn.Module) -> str:
@@ -90,7 +79,7 @@ def save(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, folder: 
         from torch.sagemaker.distributed.checkpoint.state_dict_saver import async_save, maybe_finalize_async_calls
         from torch.sagemaker.distributed.checkpoint.state_dict_utils import SMStateDictType, sm_state_dict_type
 
-        group, coordinator = _replication_group()
+        group, coordinator = replication_group()
         maybe_finalize_async_calls(blocking=True, process_group=group)
         with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()} | extra
@@ -177,7 +166,7 @@ def _load_async_local(model: nn.Module, optimizer: torch.optim.Optimizer, folder
         sm_state_dict_type,
     )
 
-    group, coordinator = _replication_group()
+    group, coordinator = replication_group()
     with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
         state = {"model": model.state_dict()} | extra
         init_optim_state(optimizer, skip_empty_param=True)
