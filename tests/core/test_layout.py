@@ -22,13 +22,13 @@ PACKAGE = Path(smp_compat.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
     "errors": 0,
-    "config": 1, "host": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1,
+    "config": 1, "host": 1, "module_manager": 1, "launch": 1, "topology": 1, "failure": 1, "timeline": 1,
     "globalstate": 2,
     "comm": 3, "ranks": 3,
     "stepping": 4, "partitioning": 4, "precision": 4, "checkpoints": 4,
     "memory": 5,
     "runtime": 6, "nn": 6, "sdp": 6, "v2": 6,
-    "model": 7, "optimizer": 7, "amp": 7, "patches": 7,
+    "model": 7, "optimizer": 7, "amp": 7, "patches": 7, "trainer": 7,
     "__init__": 8, "shim": 8, "testing": 8,
     "selftest": 9,
     "cli": 10,
