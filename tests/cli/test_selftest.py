@@ -75,6 +75,7 @@ def test_two_ranks_pass_with_the_users_config(tmp_path: Path) -> None:
     assert "smp-compat selftest" in output and "16 passed, 0 failed, 2 skipped" in output
 
 
+@pytest.mark.slow  # 12-18 s: CI's slow step runs it (the default run stays under 10 minutes)
 def test_four_ranks_pass(tmp_path: Path) -> None:
     """Every check but those with Hugging Face models, which cost four imports of transformers on two cores here:
     they run at 2 ranks above (tp2-hf also at 4 in tests/nn/test_tp_gpt2.py; v2-tp2-hsd2 below)."""
@@ -88,6 +89,7 @@ def test_four_ranks_pass(tmp_path: Path) -> None:
 
 
 @pytest.mark.hf
+@pytest.mark.slow  # 12-18 s: CI's slow step runs it (the default run stays under 10 minutes)
 def test_four_ranks_smp_v2_tp_times_hybrid_shard(tmp_path: Path) -> None:
     code, output, report, _ = _selftest(tmp_path, 4, "--checks", "v2-tp2-hsd2")
     assert code == 0, output[-6000:]

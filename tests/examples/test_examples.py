@@ -125,6 +125,7 @@ def test_pipeline_example_manual_partition_matches_plain_pytorch(tmp_path: Path,
     assert _stage(plan, 0) == {"wte", "wpe", "blocks.0", "blocks.1", "lm_head"}, plan
 
 
+@pytest.mark.slow  # 12-18 s: CI's slow step runs it (the default run stays under 10 minutes)
 def test_hybrid_example_pp2_dp2_matches_plain_pytorch(tmp_path: Path, reference: dict[str, Any]) -> None:
     result = _launch(tmp_path, HYBRID, PP2_DP2)  # 4 processes from the config's processes_per_host
     _check_training(result, reference)

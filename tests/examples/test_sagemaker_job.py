@@ -47,6 +47,7 @@ def _output(job_dir: Path) -> dict[str, Any]:
     return json.loads((job_dir / "output" / "data" / "losses.json").read_text())
 
 
+@pytest.mark.slow  # 12-18 s: CI's slow step runs it (the default run stays under 10 minutes)
 def test_aws_shaped_script_runs_from_an_estimator_and_resumes_from_the_command_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
