@@ -161,13 +161,8 @@ def test_full_state_dict_gathers_to_rank0_in_plain_pytorch_order(trained: list[d
 def test_full_state_dict_loads_into_the_plain_model_with_identical_outputs(trained: list[dict[str, Any]]) -> None:
     plain = make_model(seed=5)
     plain.load_state_dict(trained[0]["full"])  # strict: every key, nothing extra
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks ran with one thread
-    try:
-        with torch.no_grad():
-            logits = plain(_probe(), attention_mask=causal_mask(8))
-    finally:
-        torch.set_num_threads(threads)
+    with torch.no_grad():  # one thread, as the ranks ran (tests/conftest.py)
+        logits = plain(_probe(), attention_mask=causal_mask(8))
     assert torch.equal(logits, trained[0]["logits"])
 
 
@@ -212,14 +207,9 @@ def test_full_optimizer_state_dict_is_plain_torch_format(trained: list[dict[str,
 def test_plain_pytorch_dict_loads_into_a_partitioned_model(tmp_path: Any) -> None:
     before, after = make_model(seed=7), make_model(seed=9)
     results = run_ranks(_load_plain, 2, before.state_dict(), after.state_dict(), timeout=60)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            expect_first = before(_probe(), attention_mask=causal_mask(8))
-            expect_second = after(_probe(), attention_mask=causal_mask(8))
-    finally:
-        torch.set_num_threads(threads)
+    with torch.no_grad():  # one thread, as the ranks ran (tests/conftest.py)
+        expect_first = before(_probe(), attention_mask=causal_mask(8))
+        expect_second = after(_probe(), attention_mask=causal_mask(8))
     for r in results:
         assert r["result"] == ([], [])
         assert r["untouched"]  # deferred until partitioning, as SMP
