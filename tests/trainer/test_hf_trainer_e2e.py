@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import accelerate  # noqa: F401  (the test extra installs it, as transformers itself: these tests must run, not skip)
 import pytest
 import torch
+import transformers
 
 import launching
 from launching import ROOT, clean_env, free_port, run_all, smp_compat_command
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hf_trainer"))
 import trainer_job  # noqa: E402
 from oracle16 import TOLERANCE, train_16bit  # noqa: E402
